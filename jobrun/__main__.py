@@ -1,0 +1,5 @@
+"""``python -m jobrun``."""
+
+from jobrun.cli import main
+
+main()

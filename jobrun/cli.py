@@ -1,0 +1,336 @@
+"""The command line: parse, validate, wire the collaborators, exit. No SQL, no processes here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, NoReturn
+
+import click
+from click.core import ParameterSource
+
+from jobrun import __version__, durations, keys
+from jobrun.exitcodes import Exit, JobrunError, UsageError
+
+_ARGV = "jobrun.argv"
+MODES = ("session", "lease")
+
+
+class _Lines(click.ParamType):  # type: ignore[type-arg]
+    """A string option whose environment variable holds one value per line (key names)."""
+
+    name = "text"
+    envvar_list_splitter = "\n"
+
+    def convert(
+        self, value: Any, _param: click.Parameter | None, _ctx: click.Context | None
+    ) -> Any:
+        """Keep the text as it is; keys and lock ids are validated together later."""
+        return str(value)
+
+
+class _Commas(_Lines):
+    """A string option whose environment variable holds comma-separated values (lock ids)."""
+
+    envvar_list_splitter = ","
+
+
+class JobrunGroup(click.Group):
+    """A group that runs ``jobrun [OPTIONS] -- COMMAND...`` itself and also has subcommands."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Take ``-- COMMAND...`` aside when no subcommand comes before it."""
+        if "--" in args:
+            split = args.index("--")
+            parser = self.make_parser(ctx)
+            _, positional, _ = parser.parse_args(args=list(args[:split]))
+            if not positional:  # no subcommand before "--": the guarded command follows
+                ctx.meta[_ARGV] = tuple(args[split + 1 :])
+                args = args[:split]
+        return super().parse_args(ctx, args)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """Say how to run a command when someone forgot the ``--``."""
+        if args and args[0] not in self.commands:
+            raise click.UsageError(
+                f"unknown subcommand {args[0]!r}; to run a command, put it after '--': "
+                f"jobrun --key NAME -- {args[0]} ..."
+            )
+        return super().resolve_command(ctx, args)
+
+
+def _duration(value: str | None, option: str) -> float | None:
+    return None if value is None else durations.parse(value, option=option)
+
+
+def _log_options(command: Any) -> Any:
+    for decorator in reversed(
+        (
+            click.option(
+                "--log-format",
+                envvar="JOBRUN_LOG_FORMAT",
+                type=click.Choice(["auto", "json", "logfmt", "console"]),
+                default="auto",
+                show_default=True,
+                help="Event line format; auto = console on a terminal, JSON otherwise.",
+            ),
+            click.option(
+                "--log-file",
+                envvar="JOBRUN_LOG_FILE",
+                metavar="PATH",
+                help="Append events here instead of stderr (safe with concurrent writers).",
+            ),
+            click.option(
+                "--log-level",
+                envvar="JOBRUN_LOG_LEVEL",
+                type=click.Choice(["debug", "info", "warning", "error"]),
+                default="info",
+                show_default=True,
+                help="Least severe event to write.",
+            ),
+        )
+    ):
+        command = decorator(command)
+    return command
+
+
+def _db_options(command: Any) -> Any:
+    for decorator in reversed(
+        (
+            click.option(
+                "--dsn",
+                envvar="JOBRUN_DSN",
+                default="",
+                metavar="DSN",
+                help="libpq connection string or URI; default: PG* variables, service "
+                "file, ~/.pgpass. Prefer JOBRUN_DSN or .pgpass for passwords.",
+            ),
+            click.option(
+                "--connect-timeout",
+                envvar="JOBRUN_CONNECT_TIMEOUT",
+                default="10s",
+                show_default=True,
+                metavar="DURATION",
+                help="Give up connecting after this long.",
+            ),
+        )
+    ):
+        command = decorator(command)
+    return command
+
+
+@click.group(
+    cls=JobrunGroup,
+    invoke_without_command=True,
+    subcommand_metavar="-- COMMAND [ARGS]... | SUBCOMMAND [ARGS]...",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(__version__, "--version", prog_name="jobrun", message="%(prog)s %(version)s")
+@click.option(
+    "--key",
+    "key_names",
+    multiple=True,
+    envvar="JOBRUN_KEY",
+    type=_Lines(),
+    metavar="NAME",
+    help="Lock name (repeatable: all or nothing, in ascending lock-id order).",
+)
+@click.option(
+    "--lock-id",
+    "lock_ids",
+    multiple=True,
+    envvar="JOBRUN_LOCK_ID",
+    type=_Commas(),
+    metavar="INT",
+    help="Raw signed 64-bit lock id, for interop with code that locks numbers (repeatable).",
+)
+@_db_options
+@click.option(
+    "--mode",
+    envvar="JOBRUN_MODE",
+    type=click.Choice(MODES),
+    default="session",
+    show_default=True,
+    help="session: advisory lock on a held connection; lease: TTL row, works through poolers.",
+)
+@click.option(
+    "--wait",
+    envvar="JOBRUN_WAIT",
+    default="0",
+    show_default=True,
+    metavar="DURATION",
+    help="Wait this long for the lock before skipping.",
+)
+@click.option(
+    "--timeout",
+    envvar="JOBRUN_TIMEOUT",
+    metavar="DURATION",
+    help="Stop the child after this long (SIGTERM, then SIGKILL); exit 124.",
+)
+@click.option(
+    "--kill-after",
+    envvar="JOBRUN_KILL_AFTER",
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="Grace between SIGTERM and SIGKILL when jobrun stops the child.",
+)
+@click.option(
+    "--heartbeat",
+    envvar="JOBRUN_HEARTBEAT",
+    metavar="DURATION",
+    help="How often the lock is checked (session, default 1s) or renewed (lease).",
+)
+@click.option(
+    "--ttl",
+    envvar="JOBRUN_TTL",
+    default="30s",
+    show_default=True,
+    metavar="DURATION",
+    help="Lease lifetime without renewal (lease mode).",
+)
+@click.option(
+    "--skip-exit-code",
+    envvar="JOBRUN_SKIP_EXIT_CODE",
+    type=click.IntRange(0, 255),
+    default=int(Exit.SKIPPED),
+    show_default=True,
+    help="Exit status when the lock is held elsewhere.",
+)
+@click.option(
+    "--on-db-error",
+    envvar="JOBRUN_ON_DB_ERROR",
+    type=click.Choice(["fail", "run"]),
+    default="fail",
+    show_default=True,
+    help="Database unreachable: fail (exit 69) or run the child unguarded.",
+)
+@click.option(
+    "--on-lock-lost",
+    envvar="JOBRUN_ON_LOCK_LOST",
+    type=click.Choice(["terminate", "ignore"]),
+    default="terminate",
+    show_default=True,
+    help="Lock lost mid-run: stop the child (exit 76) or log and let it finish.",
+)
+@_log_options
+@click.pass_context
+def cli(ctx: click.Context, /, **options: Any) -> int | None:
+    r"""Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
+
+    \b
+      jobrun --key nightly-export -- ./export.sh
+      jobrun key nightly-export          print the lock id of a key
+
+    Every option can also be set from the environment (JOBRUN_KEY, JOBRUN_DSN, ...).
+    Exit status: the child's own; 75 skipped; 69 database unavailable; 64 usage error;
+    76 lock lost; 124 timed out; 126/127 command not executable / not found.
+    """
+    if ctx.invoked_subcommand is not None:
+        return None
+    argv: tuple[str, ...] | None = ctx.meta.get(_ARGV)
+    if not argv:
+        raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
+    dsn_on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
+    return _run(argv, dsn_on_command_line=dsn_on_command_line, **options)
+
+
+def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
+    """Validate everything, then hand over to the runner (which imports the heavy parts)."""
+    run_keys = keys.resolve(o["key_names"], o["lock_ids"])
+    timeout = _duration(o["timeout"], "--timeout")
+    kill_after = _duration(o["kill_after"], "--kill-after")
+    assert kill_after is not None  # noqa: S101 - has a default
+    heartbeat = _duration(o["heartbeat"], "--heartbeat")
+    wait = _duration(o["wait"], "--wait") or 0.0
+    connect_timeout = _duration(o["connect_timeout"], "--connect-timeout") or 10.0
+    if heartbeat is not None and heartbeat <= 0:
+        raise UsageError("--heartbeat must be longer than 0")
+    if o["mode"] == "lease":
+        raise UsageError("--mode lease is not available yet")
+
+    from jobrun import db, log, runner  # noqa: PLC0415 - the run path only
+    from jobrun.locks import Identity  # noqa: PLC0415
+    from jobrun.locks.session import SessionLock  # noqa: PLC0415
+
+    target = db.Target(dsn=o["dsn"], connect_timeout=connect_timeout)
+    secrets = target.secrets
+    fd = log.open_log_file(o["log_file"]) if o["log_file"] else None
+    logger = log.configure(fmt=o["log_format"], level=o["log_level"], fd=fd, secrets=secrets)
+    import uuid  # noqa: PLC0415
+
+    identity = Identity(run_id=str(uuid.uuid4()), pid=os.getpid())
+    bound = logger.bind(
+        key=keys.describe(run_keys),
+        lock_id=run_keys[0].lock_id if len(run_keys) == 1 else [k.lock_id for k in run_keys],
+        run_id=identity.run_id,
+        host=identity.host,
+        pid=identity.pid,
+        mode=o["mode"],
+        version=__version__,
+    )
+    if dsn_on_command_line and target.has_password:
+        bound.warning(
+            "password_on_command_line",
+            hint="a password in --dsn is visible to every user in ps; "
+            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+        )
+    job = runner.Job(
+        argv=argv,
+        keys=run_keys,
+        wait=wait,
+        timeout=timeout or None,
+        kill_after=kill_after,
+        skip_exit_code=o["skip_exit_code"],
+        on_db_error=o["on_db_error"],
+        on_lock_lost=o["on_lock_lost"],
+        heartbeat=heartbeat or 1.0,
+    )
+    lock = SessionLock(run_keys, target, identity, bound)
+    return runner.run(job, lock=lock, identity=identity, environ=os.environ, log=bound)
+
+
+@cli.command("key")
+@click.argument("names", nargs=-1, required=True)
+def key_command(names: tuple[str, ...]) -> int:
+    """Print the lock id of each key NAME, and how pg_locks shows it.
+
+    A bigint advisory lock appears in pg_locks as classid (high 32 bits), objid (low 32
+    bits) and objsubid 1.
+    """
+    rows = [("KEY", "LOCK_ID", "CLASSID", "OBJID")]
+    for name in names:
+        key = keys.from_name(name)
+        classid, objid = key.pg_locks_pair
+        rows.append((name, str(key.lock_id), str(classid), str(objid)))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+            + "  "
+            + row[3]
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console entry point: the one place exceptions become exit statuses."""
+    try:
+        status = cli.main(args=argv, prog_name="jobrun", standalone_mode=False)
+    except click.exceptions.Exit as exc:  # --help, --version
+        status = exc.exit_code
+    except click.ClickException as exc:
+        _error(exc.format_message())
+        status = Exit.USAGE
+    except JobrunError as exc:
+        _error(str(exc))
+        status = exc.exit_code
+    except click.Abort:
+        status = 128 + 2
+    sys.exit(int(status or 0))
+
+
+def _error(message: str) -> None:
+    click.echo(f"jobrun: error: {' '.join(message.split())}", err=True)

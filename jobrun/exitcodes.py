@@ -1,0 +1,83 @@
+"""The one table of jobrun's own exit statuses and the errors that carry them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Exit(enum.IntEnum):
+    """Exit statuses jobrun itself chooses; otherwise it passes on the child's status."""
+
+    OK = 0
+    USAGE = 64
+    UNAVAILABLE = 69
+    INTERNAL = 70
+    SKIPPED = 75
+    LOCK_LOST = 76
+    TIMED_OUT = 124
+    NOT_EXECUTABLE = 126
+    NOT_FOUND = 127
+
+
+#: Status -> meaning, in the order the README's table lists them (a test checks the README).
+TABLE: tuple[tuple[str, str], ...] = (
+    ("child's own", "the child ran and exited with this status"),
+    ("128+N", "the child was killed by signal N (143 = SIGTERM, 137 = SIGKILL)"),
+    (
+        str(Exit.SKIPPED.value),
+        "skipped: the lock is held elsewhere (`--skip-exit-code` changes it, 0 included)",
+    ),
+    (
+        str(Exit.UNAVAILABLE.value),
+        (
+            "lock store unavailable or unfit (unreachable, refused, transaction pooler "
+            "in session mode): the child was not started"
+        ),
+    ),
+    (str(Exit.INTERNAL.value), "internal error in jobrun (a bug: please report it)"),
+    (
+        str(Exit.LOCK_LOST.value),
+        "the lock was lost mid-run and the child was stopped (`--on-lock-lost terminate`)",
+    ),
+    (str(Exit.TIMED_OUT.value), "`--timeout` ran out; the child was stopped"),
+    (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
+    (str(Exit.NOT_FOUND.value), "the command was not found"),
+    (str(Exit.USAGE.value), "usage error: bad flag, key, duration or missing command"),
+)
+
+
+def from_wait_status(returncode: int) -> int:
+    """Map a ``Popen.returncode`` (negative for a signal) to a shell-style exit status."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class JobrunError(Exception):
+    """An error jobrun reports as one line and turns into ``exit_code``."""
+
+    exit_code: int = Exit.INTERNAL
+    event: str = "error"
+
+
+class UsageError(JobrunError):
+    """Bad input: flags, keys, durations, invariants between options."""
+
+    exit_code = Exit.USAGE
+    event = "usage_error"
+
+
+class LockStoreUnavailable(JobrunError):
+    """The database cannot be reached, refuses us, or cannot hold our lock safely."""
+
+    exit_code = Exit.UNAVAILABLE
+    event = "lockstore_unavailable"
+
+    def __init__(self, message: str, *, reason: str = "unreachable") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class LockLost(JobrunError):
+    """The lock we held is gone (or can no longer be proven to be ours)."""
+
+    exit_code = Exit.LOCK_LOST
+    event = "lock_lost"

@@ -1,0 +1,97 @@
+"""Key names -> signed 64-bit advisory lock ids, and their validation."""
+
+from __future__ import annotations
+
+import hashlib
+import unicodedata
+from dataclasses import dataclass
+
+from jobrun.exitcodes import UsageError
+
+MAX_KEY_CHARS = 200
+LOCK_ID_MIN = -(2**63)
+LOCK_ID_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True, order=True)
+class Key:
+    """One lock: its numeric id (sort order) and the name it came from (None for ``--lock-id``)."""
+
+    lock_id: int
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The name a person knows the key by: the key name, or ``lock-id:N``."""
+        return self.name if self.name is not None else f"lock-id:{self.lock_id}"
+
+    @property
+    def pg_locks_pair(self) -> tuple[int, int]:
+        """``(classid, objid)`` as ``pg_locks`` shows a bigint advisory lock (objsubid 1)."""
+        unsigned = self.lock_id & 0xFFFF_FFFF_FFFF_FFFF
+        return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+def lock_id_for(name: str) -> int:
+    """Derive the lock id: the first 8 bytes of SHA-256(UTF-8 name), big-endian, signed.
+
+    WARNING: this mapping is a public contract (it is in the README and pinned by test
+    vectors); changing it would let old and new jobrun versions run the same job at once.
+    """
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a usable key name, else raise UsageError saying why."""
+    if not name:
+        raise UsageError("key name is empty")
+    if len(name) > MAX_KEY_CHARS:
+        raise UsageError(f"key name is {len(name)} characters long; the limit is {MAX_KEY_CHARS}")
+    for position, char in enumerate(name):
+        if unicodedata.category(char) in ("Cc", "Cs"):
+            raise UsageError(
+                f"key name contains a control character (U+{ord(char):04X}) at position {position}"
+            )
+    return name
+
+
+def from_name(name: str) -> Key:
+    """Build the Key for a validated name."""
+    return Key(lock_id=lock_id_for(validate_name(name)), name=name)
+
+
+def parse_lock_id(text: str) -> Key:
+    """Build the Key for a raw ``--lock-id`` value (a signed 64-bit integer)."""
+    try:
+        value = int(text.strip(), 10)
+    except ValueError:
+        raise UsageError(f"--lock-id {text!r} is not an integer") from None
+    if not LOCK_ID_MIN <= value <= LOCK_ID_MAX:
+        raise UsageError(f"--lock-id {value} is outside the signed 64-bit range")
+    return Key(lock_id=value)
+
+
+def resolve(names: tuple[str, ...], lock_ids: tuple[str, ...]) -> tuple[Key, ...]:
+    """All keys of a run, deduplicated and in ascending lock-id order (the locking order)."""
+    keys = {from_name(name) for name in names} | {parse_lock_id(raw) for raw in lock_ids}
+    if not keys:
+        raise UsageError("no key given: use --key NAME (or --lock-id N, or JOBRUN_KEY)")
+    by_id: dict[int, Key] = {}
+    for key in sorted(keys):
+        if key.lock_id in by_id:
+            other = by_id[key.lock_id]
+            if other.name is not None and key.name is not None:
+                raise UsageError(
+                    f"keys {other.label!r} and {key.label!r} map to the same lock id {key.lock_id}"
+                )
+            # A name and its own --lock-id: one lock; keep the name for the logs.
+            by_id[key.lock_id] = other if other.name is not None else key
+            continue
+        by_id[key.lock_id] = key
+    return tuple(by_id.values())
+
+
+def describe(keys: tuple[Key, ...]) -> str:
+    """Labels joined with commas, in locking order: the ``key`` field of every log line."""
+    return ",".join(key.label for key in keys)

@@ -1,0 +1,70 @@
+"""The small interface every lock mode (session advisory lock, lease) implements."""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who we are, as other runs and ``status`` will see us."""
+
+    run_id: str
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = 0
+    started: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Whoever holds a lock we wanted; every field is optional (privileges, foreign holders)."""
+
+    key: str
+    host: str | None = None
+    pid: int | None = None
+    run_id: str | None = None
+    since: str | None = None
+    backend_pid: int | None = None
+    client_addr: str | None = None
+    application_name: str | None = None
+    expires_at: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """``holder_*`` log fields, leaving out what we do not know."""
+        return {f"holder_{name}": value for name, value in vars(self).items() if value is not None}
+
+
+class Lock(Protocol):
+    """A lock on a set of keys, held by one run at a time.
+
+    ``acquire`` raises LockStoreUnavailable when the store cannot be used; ``check`` raises
+    LockLost when the lock is provably gone and LockStoreUnavailable when this check could
+    not tell (the watchdog then retries until ``confirmation_lifetime`` runs out).
+    """
+
+    #: Seconds, counted from when a successful check was *sent*, that the child may go on
+    #: running without another successful check.
+    confirmation_lifetime: float
+
+    def acquire(self, wait: float) -> Holder | None:
+        """Take every key (None) or none of them (who holds the first one we could not get)."""
+        ...
+
+    def check(self) -> None:
+        """Confirm (session) or renew (lease) that the lock is still ours."""
+        ...
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """Sleep up to ``seconds``; return early when ``stop_fd`` is readable or trouble shows."""
+        ...
+
+    def interrupt(self) -> None:
+        """Make a check that hangs on a dead network fail now (called from another thread)."""
+        ...
+
+    def release(self) -> None:
+        """Give the lock back; never raises."""
+        ...

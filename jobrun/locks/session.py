@@ -1,0 +1,208 @@
+"""Session mode: ``pg_try_advisory_lock`` on a dedicated connection held for the child's life."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import socket
+import time
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg import errors
+
+from jobrun import db, sql
+from jobrun.exitcodes import LockLost, LockStoreUnavailable
+from jobrun.keys import Key, describe
+from jobrun.locks import Holder, Identity
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+#: Without a successful check for this long, we no longer vouch for the session: a cut
+#: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
+CONFIRMATION_LIFETIME = 10.0
+
+_ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
+
+
+class SessionLock:
+    """Advisory locks on one autocommit session; the server frees them when the session ends."""
+
+    confirmation_lifetime = CONFIRMATION_LIFETIME
+
+    def __init__(
+        self,
+        keys: tuple[Key, ...],
+        target: db.Target,
+        identity: Identity,
+        log: FilteringBoundLogger,
+    ) -> None:
+        self._keys = keys
+        self._target = target
+        self._log = log
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._held: list[Key] = []
+        # Every statement on the lock session carries who we are, so a run that finds the
+        # lock held can name us from pg_stat_activity.query (host, pid, run id, since).
+        announcement = json.dumps(
+            {
+                "host": identity.host,
+                "pid": identity.pid,
+                "run_id": identity.run_id,
+                "since": identity.started.isoformat(timespec="seconds"),
+            },
+            ensure_ascii=True,
+        ).replace("*", "")
+        self._comment = f"/* jobrun-holder {announcement} */ "
+        self._app_name = db.application_name(describe(keys))
+
+    def acquire(self, wait: float) -> Holder | None:
+        """Take every key in ascending lock-id order, or none (then say who holds one)."""
+        conn = db.connect(self._target, app_name=self._app_name)
+        self._conn = conn
+        try:
+            with db.translate_errors(self._target, "preparing the lock session"):
+                conn.execute(
+                    sql.SESSION_IMMUNE_14
+                    if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
+                    else sql.SESSION_IMMUNE
+                )
+                pooler = db.detect_transaction_pooler(conn, self._target, app_name=self._app_name)
+            if pooler:
+                _refuse_pooler(pooler)
+            with db.translate_errors(self._target, "taking the advisory lock"):
+                blocked = self._take_all(conn, wait)
+                if blocked is None:
+                    return None
+                self._unlock_taken(conn)
+                return self._holder_of(conn, blocked)
+        except BaseException:
+            self._close()
+            raise
+
+    def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
+        deadline = time.monotonic() + wait
+        for key in self._keys:
+            remaining = deadline - time.monotonic()
+            if remaining * 1000 < 1:
+                row = conn.execute(self._comment + sql.TRY_LOCK, (key.lock_id,)).fetchone()
+                if not (row and row[0]):
+                    return key
+            else:
+                # A bounded blocking wait: the server hands the lock over the moment it is
+                # freed. Waiting in ascending id order cannot deadlock with other jobruns.
+                conn.execute(sql.SET_LOCK_TIMEOUT, (f"{int(remaining * 1000)}ms",))
+                try:
+                    conn.execute(self._comment + sql.LOCK, (key.lock_id,))
+                except errors.LockNotAvailable:
+                    return key
+                finally:
+                    conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
+            self._held.append(key)
+        return None
+
+    def _holder_of(self, conn: psycopg.Connection[tuple[object, ...]], key: Key) -> Holder:
+        classid, objid = key.pg_locks_pair
+        row = conn.execute(sql.ADVISORY_HOLDER, (classid, objid)).fetchone()
+        if row is None:  # released between our attempt and this query
+            return Holder(key=key.label)
+        backend_pid, client_addr, app_name, backend_start, query = row
+        announced: dict[str, object] = {}
+        match = _ANNOUNCEMENT.search(str(query or ""))
+        if match:
+            announced = json.loads(match.group(1))
+        return Holder(
+            key=key.label,
+            host=_str_or_none(announced.get("host")),
+            pid=_int_or_none(announced.get("pid")),
+            run_id=_str_or_none(announced.get("run_id")),
+            since=_str_or_none(announced.get("since"))
+            or (backend_start.isoformat(timespec="seconds") if backend_start else None),  # type: ignore[attr-defined]
+            backend_pid=_int_or_none(backend_pid),
+            client_addr=_str_or_none(client_addr),
+            application_name=_str_or_none(app_name),
+        )
+
+    def check(self) -> None:
+        """Prove the session is alive and its backend still holds every key."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            raise LockLost("the lock session is closed")
+        try:
+            row = conn.execute(
+                self._comment + sql.HELD_BY_US, ([key.lock_id for key in self._held],)
+            ).fetchone()
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise LockLost(
+                    f"the lock session broke: {db.one_line(exc, self._target)}"
+                ) from None
+            raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
+        held = int(str(row[0])) if row else 0
+        if held != len(self._held):
+            raise LockLost(
+                f"the server no longer shows our advisory lock ({held} of {len(self._held)} held)"
+            )
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """Wait, but wake at once when the server talks (it says FATAL before it hangs up)."""
+        conn = self._conn
+        fds = [stop_fd] if conn is None or conn.closed else [stop_fd, conn.fileno()]
+        select.select(fds, [], [], max(0.0, seconds))
+
+    def interrupt(self) -> None:
+        """Unblock a check stuck on a dead network by shutting the socket down under it."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def release(self) -> None:
+        """Unlock what we took (the session might be gone: then the server already did)."""
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            for key in reversed(self._held):
+                try:
+                    row = conn.execute(sql.UNLOCK, (key.lock_id,)).fetchone()
+                except psycopg.Error as exc:
+                    self._log.warning(
+                        "release_failed", error=db.one_line(exc, self._target), lock=key.label
+                    )
+                    break
+                if not (row and row[0]):
+                    self._log.warning("release_not_held", lock=key.label)
+        self._held.clear()
+        self._close()
+
+    def _unlock_taken(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        for key in reversed(self._held):
+            conn.execute(sql.UNLOCK, (key.lock_id,))
+        self._held.clear()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _refuse_pooler(why: str) -> None:
+    raise LockStoreUnavailable(
+        f"a transaction pooler sits between jobrun and PostgreSQL ({why}); session locks "
+        "would be stranded on a backend we no longer talk to. Connect directly (or through "
+        "a session-mode pooler), or use --mode lease",
+        reason="transaction_pooler",
+    )
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int_or_none(value: object) -> int | None:
+    return None if value is None else int(str(value))

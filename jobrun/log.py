@@ -1,0 +1,111 @@
+"""structlog configuration: one event per line as JSON, logfmt or console, to stderr or a file."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+
+from jobrun.exitcodes import UsageError
+
+FORMATS = ("auto", "json", "logfmt", "console")
+LEVELS = ("debug", "info", "warning", "error")
+_LEVEL_NUMBERS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+Processor = Callable[[Any, str, MutableMapping[str, Any]], Any]
+
+
+class LineWriter:
+    """Write each rendered event with one ``write(2)``, so concurrent appenders never interleave.
+
+    WARNING: a log file is opened with O_APPEND and written unbuffered on purpose: several
+    jobrun processes (a crontab full of them) share one file.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def msg(self, message: str) -> None:
+        """Write one rendered event and its newline."""
+        data = (message + "\n").encode("utf-8", "backslashreplace")
+        while data:
+            written = os.write(self._fd, data)
+            data = data[written:]
+
+    debug = info = warning = error = critical = exception = msg
+
+
+def open_log_file(path: str) -> int:
+    """Open ``path`` for appending (created 0640 if new) or raise UsageError."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise UsageError(f"--log-file {path}: {exc.strerror}") from None
+
+
+def redactor(secrets: Iterable[str]) -> Processor:
+    """A processor that masks every occurrence of ``secrets`` in string values: the last guard."""
+    masked = tuple(secret for secret in secrets if secret)
+
+    def redact(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        if masked:
+            for name, value in event_dict.items():
+                if isinstance(value, str):
+                    for secret in masked:
+                        value = value.replace(secret, "***")  # noqa: PLW2901 - rewriting in place
+                    event_dict[name] = value
+        return event_dict
+
+    return redact
+
+
+def _lead_with_time_level_event(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> Any:
+    """Put ``timestamp``, ``level`` and ``event`` first: lines read well when grepped."""
+    lead = {
+        name: event_dict.pop(name) for name in ("timestamp", "level", "event") if name in event_dict
+    }
+    return {**lead, **event_dict}
+
+
+def configure(
+    *,
+    fmt: str = "auto",
+    level: str = "info",
+    fd: int | None = None,
+    secrets: Iterable[str] = (),
+    stream: TextIO | None = None,
+) -> structlog.typing.FilteringBoundLogger:
+    """Build the logger every module receives (no global configuration is touched)."""
+    target = fd if fd is not None else (stream or sys.stderr).fileno()
+    if fmt == "auto":
+        fmt = "console" if fd is None and os.isatty(target) else "json"
+    renderer: Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+    elif fmt == "logfmt":
+        renderer = structlog.processors.LogfmtRenderer(
+            key_order=["timestamp", "level", "event"], bool_as_flag=False
+        )
+    elif fmt == "console":
+        renderer = structlog.dev.ConsoleRenderer(colors=os.isatty(target))
+    else:  # pragma: no cover - click restricts the choices
+        raise UsageError(f"unknown log format {fmt!r}")
+    processors: list[Processor] = [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        redactor(secrets),
+        _lead_with_time_level_event,
+        renderer,
+    ]
+    logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(
+        LineWriter(target),
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMBERS[level]),
+        cache_logger_on_first_use=True,
+    )
+    return logger

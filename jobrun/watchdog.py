@@ -1,0 +1,93 @@
+"""The heartbeat thread: keeps checking (or renewing) the lock and says when it is gone."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from jobrun.exitcodes import LockLost, LockStoreUnavailable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun.locks import Lock
+
+
+class Watchdog:
+    """Run ``lock.check()`` every ``interval`` seconds in a daemon thread.
+
+    The supervisor reads two things: ``lost`` (a reason, once the lock is provably gone) and
+    ``stop_at`` (the monotonic time by which the child must be told to stop unless a newer
+    check succeeds). A check that fails without proof of loss - an error, a timeout, an
+    answer that never came - does not move ``stop_at``: an ambiguous heartbeat counts as
+    no heartbeat (PITFALLS 4).
+    """
+
+    def __init__(
+        self,
+        lock: Lock,
+        *,
+        interval: float,
+        confirmed_at: float,
+        wake: Callable[[], None],
+        log: FilteringBoundLogger,
+    ) -> None:
+        self._lock = lock
+        self._interval = interval
+        self._wake = wake
+        self._log = log
+        self.lost: str | None = None
+        self.stop_at = confirmed_at + lock.confirmation_lifetime
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, name="jobrun-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Begin checking."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop checking; if a check hangs on a dead network, cut it short."""
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._lock.interrupt()
+            self._thread.join(timeout=2.0)
+        os.close(self._stop_w)
+        if not self._thread.is_alive():
+            os.close(self._stop_r)
+
+    def _stopping(self) -> bool:
+        import select  # noqa: PLC0415 - only the heartbeat thread needs it
+
+        return bool(select.select([self._stop_r], [], [], 0)[0])
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stopping():
+            sent = time.monotonic()
+            try:
+                self._lock.check()
+            except LockLost as exc:
+                if not self._stopping():
+                    self.lost = str(exc)
+                    self._wake()
+                return
+            except LockStoreUnavailable as exc:
+                failures += 1
+                self._log.warning("heartbeat_failed", error=str(exc), failures=failures)
+                # Retry sooner: the confirmation is running out.
+                self._lock.pause(self._interval / 2, self._stop_r)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken heartbeat must stop the job
+                self.lost = f"heartbeat crashed: {type(exc).__name__}: {exc}"
+                self._wake()
+                return
+            if failures:
+                self._log.info("heartbeat_recovered", failures=failures)
+                failures = 0
+            self.stop_at = sent + self._lock.confirmation_lifetime
+            self._lock.pause(sent + self._interval - time.monotonic(), self._stop_r)
