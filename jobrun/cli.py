@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import click
@@ -237,30 +238,55 @@ def cli(ctx: click.Context, /, **options: Any) -> int | None:
     return _run(argv, dsn_on_command_line=dsn_on_command_line, **options)
 
 
+@dataclass(frozen=True)
+class _Timing:
+    """Validated durations of a run."""
+
+    wait: float
+    timeout: float | None
+    kill_after: float
+    heartbeat: float
+    connect_timeout: float
+    ttl: float
+    lifetime: float  # lease: how long a renewal vouches for the lease (session: unused)
+
+
+def _timing(o: dict[str, Any]) -> _Timing:
+    """Parse every duration and check the invariants between them (usage errors: exit 64)."""
+    kill_after = durations.parse(o["kill_after"], option="--kill-after")
+    heartbeat = _duration(o["heartbeat"], "--heartbeat")
+    if heartbeat is not None and heartbeat <= 0:
+        raise UsageError("--heartbeat must be longer than 0")
+    ttl = durations.parse(o["ttl"], option="--ttl")
+    lifetime = 0.0
+    if o["mode"] == "lease":
+        from jobrun.locks.lease import timing
+
+        heartbeat, lifetime = timing(ttl, kill_after, heartbeat)
+    return _Timing(
+        wait=durations.parse(o["wait"], option="--wait"),
+        timeout=_duration(o["timeout"], "--timeout") or None,
+        kill_after=kill_after,
+        heartbeat=heartbeat or 1.0,
+        connect_timeout=durations.parse(o["connect_timeout"], option="--connect-timeout"),
+        ttl=ttl,
+        lifetime=lifetime,
+    )
+
+
 def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     """Validate everything, then hand over to the runner (which imports the heavy parts)."""
     run_keys = keys.resolve(o["key_names"], o["lock_ids"])
-    timeout = _duration(o["timeout"], "--timeout")
-    kill_after = _duration(o["kill_after"], "--kill-after")
-    assert kill_after is not None  # noqa: S101 - has a default
-    heartbeat = _duration(o["heartbeat"], "--heartbeat")
-    wait = _duration(o["wait"], "--wait") or 0.0
-    connect_timeout = _duration(o["connect_timeout"], "--connect-timeout") or 10.0
-    if heartbeat is not None and heartbeat <= 0:
-        raise UsageError("--heartbeat must be longer than 0")
-    if o["mode"] == "lease":
-        raise UsageError("--mode lease is not available yet")
+    timing = _timing(o)
 
-    from jobrun import db, log, runner  # noqa: PLC0415 - the run path only
-    from jobrun.locks import Identity  # noqa: PLC0415
-    from jobrun.locks.session import SessionLock  # noqa: PLC0415
+    import uuid
 
-    target = db.Target(dsn=o["dsn"], connect_timeout=connect_timeout)
-    secrets = target.secrets
+    from jobrun import db, log, runner
+    from jobrun.locks import Identity, Lock, lease, session
+
+    target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
     fd = log.open_log_file(o["log_file"]) if o["log_file"] else None
-    logger = log.configure(fmt=o["log_format"], level=o["log_level"], fd=fd, secrets=secrets)
-    import uuid  # noqa: PLC0415
-
+    logger = log.configure(fmt=o["log_format"], level=o["log_level"], fd=fd, secrets=target.secrets)
     identity = Identity(run_id=str(uuid.uuid4()), pid=os.getpid())
     bound = logger.bind(
         key=keys.describe(run_keys),
@@ -280,15 +306,21 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     job = runner.Job(
         argv=argv,
         keys=run_keys,
-        wait=wait,
-        timeout=timeout or None,
-        kill_after=kill_after,
+        wait=timing.wait,
+        timeout=timing.timeout,
+        kill_after=timing.kill_after,
         skip_exit_code=o["skip_exit_code"],
         on_db_error=o["on_db_error"],
         on_lock_lost=o["on_lock_lost"],
-        heartbeat=heartbeat or 1.0,
+        heartbeat=timing.heartbeat,
     )
-    lock = SessionLock(run_keys, target, identity, bound)
+    lock: Lock
+    if o["mode"] == "lease":
+        lock = lease.LeaseLock(
+            run_keys, target, identity, bound, ttl=timing.ttl, lifetime=timing.lifetime
+        )
+    else:
+        lock = session.SessionLock(run_keys, target, identity, bound, heartbeat=timing.heartbeat)
     return runner.run(job, lock=lock, identity=identity, environ=os.environ, log=bound)
 
 

@@ -13,7 +13,7 @@ LOCK_ID_MIN = -(2**63)
 LOCK_ID_MAX = 2**63 - 1
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Key:
     """One lock: its numeric id (sort order) and the name it came from (None for ``--lock-id``)."""
 
@@ -78,7 +78,8 @@ def resolve(names: tuple[str, ...], lock_ids: tuple[str, ...]) -> tuple[Key, ...
     if not keys:
         raise UsageError("no key given: use --key NAME (or --lock-id N, or JOBRUN_KEY)")
     by_id: dict[int, Key] = {}
-    for key in sorted(keys):
+    # Named keys first for each id, so a name wins over its own raw --lock-id.
+    for key in sorted(keys, key=lambda k: (k.lock_id, k.name is None, k.name or "")):
         if key.lock_id in by_id:
             other = by_id[key.lock_id]
             if other.name is not None and key.name is not None:

@@ -32,15 +32,17 @@ _ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
 class SessionLock:
     """Advisory locks on one autocommit session; the server frees them when the session ends."""
 
-    confirmation_lifetime = CONFIRMATION_LIFETIME
-
     def __init__(
         self,
         keys: tuple[Key, ...],
         target: db.Target,
         identity: Identity,
         log: FilteringBoundLogger,
+        *,
+        heartbeat: float = 1.0,
     ) -> None:
+        # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
+        self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
         self._keys = keys
         self._target = target
         self._log = log

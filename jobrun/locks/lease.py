@@ -1,0 +1,175 @@
+"""Lease mode: a row per key with an owner and an expiry on the database's clock, renewed."""
+
+from __future__ import annotations
+
+import math
+import select
+import time
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg import errors
+
+from jobrun import db, sql
+from jobrun.durations import format_seconds
+from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
+from jobrun.keys import Key, describe, lock_id_for
+from jobrun.locks import Holder, Identity
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+#: Serializes the creation of the jobrun schema (transaction-scoped advisory lock).
+SCHEMA_LOCK_ID = lock_id_for("jobrun:schema")
+#: Longest pause between two attempts while ``--wait`` lasts.
+_WAIT_POLL = 1.0
+
+
+def safety_margin(ttl: float) -> float:
+    """Slack between the child's SIGKILL and the lease's expiry: clock rates, scheduling."""
+    return max(1.0, ttl / 10)
+
+
+def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[float, float]:
+    """Check the ttl / heartbeat / kill-after invariant; return (heartbeat, lifetime).
+
+    The child must be dead before the lease can expire: after a renewal sent at t, SIGTERM
+    goes out at t + lifetime and SIGKILL at t + lifetime + kill_after, where
+    lifetime = ttl - kill_after - margin. Two heartbeats must fit into the lifetime, so one
+    failed renewal alone never stops the job.
+    """
+    if ttl <= 0:
+        raise UsageError("--ttl must be longer than 0")
+    lifetime = ttl - kill_after - safety_margin(ttl)
+    beat = heartbeat if heartbeat is not None else min(10.0, lifetime / 3)
+    if lifetime <= 0 or 2 * beat > lifetime:
+        beat_for_message = heartbeat if heartbeat is not None else 0.5
+        need = 2 * beat_for_message + kill_after
+        needed_ttl = math.ceil(max(need + 1.0, need / 0.9))
+        raise UsageError(
+            f"--ttl {format_seconds(ttl)} is too short for --kill-after "
+            f"{format_seconds(kill_after)}"
+            + (f" and --heartbeat {format_seconds(heartbeat)}" if heartbeat is not None else "")
+            + ": the child is stopped kill-after + a safety margin before the lease expires, "
+            "and two heartbeats must fit before that; use --ttl "
+            f"{format_seconds(needed_ttl)} or more, or lower --kill-after"
+            + (" / --heartbeat" if heartbeat is not None else "")
+        )
+    return beat, lifetime
+
+
+class LeaseLock:
+    """Leases in ``jobrun.leases``; no connection is held between statements."""
+
+    def __init__(
+        self,
+        keys: tuple[Key, ...],
+        target: db.Target,
+        identity: Identity,
+        log: FilteringBoundLogger,
+        *,
+        ttl: float,
+        lifetime: float,
+    ) -> None:
+        self._keys = keys
+        self._target = target
+        self._identity = identity
+        self._log = log
+        self._ttl = ttl
+        self.confirmation_lifetime = lifetime
+        self._app_name = db.application_name(describe(keys))
+        self._held = False
+        self._params = {
+            "lock_ids": [key.lock_id for key in keys],
+            "keys": [key.label for key in keys],
+            "owner": identity.run_id,
+            "host": identity.host,
+            "pid": identity.pid,
+            "ttl": ttl,
+        }
+
+    def acquire(self, wait: float) -> Holder | None:
+        """Take every lease that is free or expired, or none; retry while ``wait`` lasts."""
+        deadline = time.monotonic() + wait
+        while True:
+            holder = self._try_once()
+            remaining = deadline - time.monotonic()
+            if holder is None or remaining <= 0:
+                return holder
+            time.sleep(min(_WAIT_POLL, remaining))
+
+    def _try_once(self) -> Holder | None:
+        with (
+            db.connect(self._target, app_name=self._app_name) as conn,
+            db.translate_errors(self._target, "taking the lease"),
+        ):
+            try:
+                taken = self._insert(conn)
+            except errors.UndefinedTable:
+                ensure_schema(conn)
+                taken = self._insert(conn)
+            if taken:
+                self._held = True
+                return None
+            row = conn.execute(sql.LEASE_HOLDERS, self._params).fetchone()
+        if row is None:  # expired or released between the two statements: try again later
+            return Holder(key=describe(self._keys))
+        _, label, owner, host, pid, acquired_at, _, expires_at = row
+        return Holder(
+            key=str(label),
+            host=str(host),
+            pid=int(str(pid)),
+            run_id=str(owner),
+            since=acquired_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
+            expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
+        )
+
+    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+        """All leases in one statement and one transaction; roll back unless we got all."""
+        with conn.transaction():
+            rows = conn.execute(sql.LEASE_ACQUIRE, self._params).fetchall()
+            if len(rows) == len(self._keys):
+                return True
+            raise psycopg.Rollback
+
+    def check(self) -> None:
+        """Renew every lease, owner-checked; a lease that is no longer ours is lost."""
+        try:
+            with db.connect(self._target, app_name=self._app_name) as conn:
+                renewed = len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
+        except psycopg.Error as exc:
+            raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
+        if renewed != len(self._keys):
+            self._held = False
+            raise LockLost(
+                f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
+            )
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """No connection to watch between renewals: just wait."""
+        select.select([stop_fd], [], [], max(0.0, seconds))
+
+    def interrupt(self) -> None:
+        """Nothing to cut: a renewal hangs only until its connect/keepalive limits fire."""
+
+    def release(self) -> None:
+        """Delete our leases (only ours: a newer owner's lease is left alone)."""
+        if not self._held:
+            return
+        self._held = False
+        try:
+            with db.connect(self._target, app_name=self._app_name) as conn:
+                conn.execute(sql.LEASE_RELEASE, self._params)
+        except (psycopg.Error, LockStoreUnavailable) as exc:
+            self._log.warning(
+                "release_failed",
+                error=db.one_line(exc, self._target),
+                note="the lease expires on its own after --ttl",
+            )
+
+
+def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+    """Create the jobrun schema and tables, once, even when 50 first runs race for it."""
+    with conn.transaction():
+        conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+        conn.execute(sql.SCHEMA)

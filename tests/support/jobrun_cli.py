@@ -1,0 +1,140 @@
+"""Run the real jobrun CLI as a subprocess and read its JSON event lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+JOBRUN = (sys.executable, "-m", "jobrun")
+
+
+def environment(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Our environment minus any JOBRUN_* and PGAPPNAME, plus the test DSN and JSON logs."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("JOBRUN_") and name != "PGAPPNAME"
+    }
+    env["JOBRUN_LOG_FORMAT"] = "json"
+    if dsn is not None:
+        env["JOBRUN_DSN"] = dsn
+    env.update(extra or {})
+    return env
+
+
+def run(
+    *args: str,
+    dsn: str | None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60,
+    stdin: Any = subprocess.DEVNULL,
+) -> subprocess.CompletedProcess[str]:
+    """``jobrun ARGS...`` to completion, capturing output as text."""
+    return subprocess.run(
+        [*JOBRUN, *args],
+        env=environment(dsn, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=stdin,
+        check=False,
+    )
+
+
+def start(
+    *args: str, dsn: str | None, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``jobrun ARGS...`` in the background, stderr captured."""
+    return subprocess.Popen(
+        [*JOBRUN, *args],
+        env=environment(dsn, env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def events(stderr: str) -> list[dict[str, Any]]:
+    """Every stderr line parsed as JSON (a line that is not JSON fails the test)."""
+    return [json.loads(line) for line in stderr.splitlines() if line.strip()]
+
+
+def event(stderr: str, name: str) -> dict[str, Any]:
+    """The one event called ``name``."""
+    found = [e for e in events(stderr) if e["event"] == name]
+    assert len(found) == 1, f"expected one {name!r} event, got {found!r} in {stderr!r}"
+    return found[0]
+
+
+def wait_until(
+    condition: Callable[[], bool], *, timeout: float = 20.0, what: str = "condition"
+) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            msg = f"timed out after {timeout}s waiting for {what}"
+            raise AssertionError(msg)
+        time.sleep(0.02)
+
+
+def wait_for_file(path: Path, *, timeout: float = 20.0) -> str:
+    """Wait for ``path`` to exist with a complete first line; return its content."""
+    wait_until(
+        lambda: path.exists() and path.read_text().endswith("\n"), timeout=timeout, what=str(path)
+    )
+    return path.read_text()
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def group_gone(pgid: int) -> bool:
+    """True when no live process is left in process group ``pgid``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state not in ("Z", "X"):
+            return False
+    return True
+
+
+def child_script(body: str) -> list[str]:
+    """A Python child process running ``body`` (argv for after ``--``)."""
+    return [sys.executable, "-c", body]
+
+
+def signal_and_wait(proc: subprocess.Popen[str], signum: int, timeout: float = 30) -> str:
+    """Send ``signum`` to ``proc`` and return its stderr once it exits."""
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=timeout)
+    return stderr
+
+
+def holder_marker(path: Path) -> Sequence[str]:
+    """A child that writes its pid to ``path`` and then sleeps until killed."""
+    return ["sh", "-c", f'echo $$ > "{path}"; exec sleep 300']
+
+
+SIGTERM = signal.SIGTERM

@@ -1,0 +1,139 @@
+"""Bad input gets one clear line and exit 64; help, version and lean imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jobrun import __version__
+from support import jobrun_cli
+
+BAD_INVOCATIONS = {
+    "empty key": ["--key", "", "--", "true"],
+    "long key": ["--key", "k" * 201, "--", "true"],
+    "control character": ["--key", "a\x07b", "--", "true"],
+    "lock id not a number": ["--lock-id", "abc", "--", "true"],
+    "lock id too big": ["--lock-id", str(2**63), "--", "true"],
+    "bad wait": ["--key", "k", "--wait", "5x", "--", "true"],
+    "negative timeout": ["--key", "k", "--timeout", "-1", "--", "true"],
+    "bad kill-after": ["--key", "k", "--kill-after", "soon", "--", "true"],
+    "bad heartbeat": ["--key", "k", "--heartbeat", "0", "--", "true"],
+    "skip code out of range": ["--key", "k", "--skip-exit-code", "256", "--", "true"],
+    "bad mode": ["--key", "k", "--mode", "sometimes", "--", "true"],
+    "bad on-db-error": ["--key", "k", "--on-db-error", "maybe", "--", "true"],
+    "no command": ["--key", "k"],
+    "nothing after --": ["--key", "k", "--"],
+    "forgot --": ["--key", "k", "echo", "hi"],
+    "no key": ["--", "true"],
+    "unknown option": ["--key", "k", "--frobnicate", "--", "true"],
+    "bad dsn": ["--key", "k", "--dsn", "host=x port", "--", "true"],
+    "bad log file": ["--key", "k", "--log-file", "/nonexistent/dir/log", "--", "true"],
+    "bad connect timeout": ["--key", "k", "--connect-timeout", "1 minute", "--", "true"],
+}
+
+
+class TestBadInput:
+    """Every mistake a user can make on the command line."""
+
+    @pytest.mark.parametrize("argv", BAD_INVOCATIONS.values(), ids=BAD_INVOCATIONS.keys())
+    def test_exits_64_with_one_line_and_no_traceback(self, argv, tmp_path):
+        """Exit 64, exactly one line on stderr, no traceback, and the child never ran."""
+        marker = tmp_path / "ran"
+        argv = [a if a != "true" else "true" for a in argv]
+        result = jobrun_cli.run(*argv, dsn="host=127.0.0.1 port=1", env={"MARKER": str(marker)})
+        assert result.returncode == 64, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("jobrun: error: ")
+        assert "Traceback" not in result.stderr
+        assert not marker.exists()
+
+    def test_bad_dsn_error_hides_the_password(self):
+        """A DSN that does not parse is reported without the password in it."""
+        result = jobrun_cli.run(
+            "--key", "k", "--dsn", "password=hunter2secret host", "--", "true", dsn=None
+        )
+        assert result.returncode == 64
+        assert "hunter2secret" not in result.stderr
+
+    def test_unknown_subcommand_hint_mentions_double_dash(self):
+        """Forgetting `--` says how to write the command."""
+        result = jobrun_cli.run("--key", "k", "echo", dsn=None)
+        assert "put it after '--'" in result.stderr
+
+
+class TestHelpAndVersion:
+    """Every command has help; --version; python -m jobrun."""
+
+    @pytest.mark.parametrize("command", [[], ["key"]])
+    def test_every_command_has_help(self, command):
+        """`--help` exits 0 and prints usage."""
+        result = jobrun_cli.run(*command, "--help", dsn=None)
+        assert result.returncode == 0
+        assert result.stdout.startswith("Usage: jobrun")
+
+    def test_version(self):
+        """`jobrun --version` prints the package version."""
+        result = jobrun_cli.run("--version", dsn=None)
+        assert result.stdout.strip() == f"jobrun {__version__}"
+
+    def test_console_script_is_installed(self):
+        """The `jobrun` console script exists next to the interpreter."""
+        script = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import shutil,sys,os; print(shutil.which('jobrun', "
+                    "path=os.path.dirname(sys.executable)))"
+                ),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert script != "None"
+        result = subprocess.run([script, "key", "a"], capture_output=True, text=True, check=False)
+        assert "-3848465438864589366" in result.stdout
+
+
+class TestKeyCommand:
+    """`jobrun key NAME...`."""
+
+    def test_prints_lock_id_and_pg_locks_pair(self):
+        """One row per name with lock id, classid and objid."""
+        result = jobrun_cli.run("key", "nightly-export", "a", dsn=None)
+        assert result.returncode == 0
+        rows = [line.split() for line in result.stdout.splitlines()]
+        assert rows[0] == ["KEY", "LOCK_ID", "CLASSID", "OBJID"]
+        assert rows[1] == ["nightly-export", "-5287385889299587548", "3063901836", "635608612"]
+        assert rows[2][:2] == ["a", "-3848465438864589366"]
+
+    def test_bad_name_is_a_usage_error(self):
+        """A control character in a name: exit 64."""
+        result = jobrun_cli.run("key", "bad\x01name", dsn=None)
+        assert result.returncode == 64
+
+
+class TestLeanImports:
+    """Paths that do not touch the database do not import psycopg or structlog."""
+
+    @pytest.mark.parametrize("argv", [["--help"], ["key", "x"], ["--version"]])
+    def test_no_database_imports(self, argv):
+        """psycopg and structlog stay unimported."""
+        code = (
+            "import sys\n"
+            "from jobrun.cli import main\n"
+            "try:\n"
+            f"    main({argv!r})\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "heavy = sorted(m for m in ('psycopg', 'structlog') if m in sys.modules)\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        assert "HEAVY []" in result.stderr, result.stderr

@@ -1,0 +1,489 @@
+"""The main job against a real PostgreSQL: run, skip, signals, timeouts, exec errors, keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import psycopg
+import pytest
+
+from jobrun import keys
+from support import jobrun_cli
+from support.jobrun_cli import event, events, wait_for_file, wait_until
+
+COMMON_FIELDS = {
+    "timestamp",
+    "level",
+    "event",
+    "key",
+    "lock_id",
+    "run_id",
+    "host",
+    "pid",
+    "version",
+}
+
+
+def advisory_holders(dsn: str, name: str) -> list[int]:
+    """Backend pids holding the advisory lock of key ``name`` right now."""
+    classid, objid = keys.from_name(name).pg_locks_pair
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
+            (classid, objid),
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+class TestLockFree:
+    """With nobody holding the key, the child runs and its status is ours."""
+
+    def test_runs_child_and_passes_its_exit_status(self, dsn, key):
+        """Exit 3 from the child is jobrun's exit 3."""
+        result = jobrun_cli.run("--key", key, "--", "sh", "-c", "exit 3", dsn=dsn)
+        assert result.returncode == 3
+        finished = event(result.stderr, "finished")
+        assert finished["exit_code"] == 3
+        assert finished["outcome"] == "failed"
+
+    def test_child_owns_stdout_and_stdin(self, dsn, key):
+        """The child's stdout is untouched; jobrun logs only to stderr."""
+        result = subprocess.run(
+            [*jobrun_cli.JOBRUN, "--key", key, "--", "cat"],
+            env=jobrun_cli.environment(dsn),
+            input="payload through stdin\n",
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert result.returncode == 0
+        assert result.stdout == "payload through stdin\n"
+
+    def test_lock_is_released_after_the_run(self, dsn, key):
+        """Nobody holds the key once jobrun has exited."""
+        result = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
+        assert result.returncode == 0
+        assert advisory_holders(dsn, key) == []
+
+    def test_child_holds_lock_while_running(self, dsn, key, tmp_path):
+        """While the child runs, exactly one backend holds the key."""
+        marker = tmp_path / "child"
+        proc = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            assert len(advisory_holders(dsn, key)) == 1
+        finally:
+            jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
+
+    def test_child_environment_names_the_job(self, dsn, key, tmp_path):
+        """JOBRUN_KEY, JOBRUN_LOCK_ID, JOBRUN_RUN_ID and PGAPPNAME reach the child."""
+        out = tmp_path / "env"
+        script = (
+            "import os, json\n"
+            f"open({str(out)!r}, 'w').write(json.dumps({{k: os.environ.get(k) for k in "
+            "('JOBRUN_KEY', 'JOBRUN_LOCK_ID', 'JOBRUN_RUN_ID', 'PGAPPNAME')}))\n"
+        )
+        result = jobrun_cli.run("--key", key, "--", sys.executable, "-c", script, dsn=dsn)
+        seen = json.loads(out.read_text())
+        started = event(result.stderr, "started")
+        assert seen == {
+            "JOBRUN_KEY": key,
+            "JOBRUN_LOCK_ID": str(keys.lock_id_for(key)),
+            "JOBRUN_RUN_ID": started["run_id"],
+            "PGAPPNAME": f"jobrun:{key}"[:63],
+        }
+
+    def test_existing_pgappname_is_kept(self, dsn, key, tmp_path):
+        """A PGAPPNAME the user set is not overwritten."""
+        out = tmp_path / "app"
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--",
+            "sh",
+            "-c",
+            f'echo "$PGAPPNAME" > "{out}"',
+            dsn=dsn,
+            env={"PGAPPNAME": "mine"},
+        )
+        assert result.returncode == 0
+        assert out.read_text().strip() == "mine"
+
+    def test_child_killed_by_signal_gives_128_plus_n(self, dsn, key):
+        """A child that dies of SIGKILL makes jobrun exit 137, with the signal named."""
+        result = jobrun_cli.run("--key", key, "--", "sh", "-c", "kill -KILL $$", dsn=dsn)
+        assert result.returncode == 137
+        assert event(result.stderr, "finished")["signal"] == "SIGKILL"
+
+
+class TestHeld:
+    """With the key held elsewhere, jobrun skips without starting the child."""
+
+    def test_second_run_skips_with_75_and_names_the_holder(self, dsn, key, tmp_path):
+        """The skip line carries the holder's host, pid, run id and since."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            second = tmp_path / "second"
+            result = jobrun_cli.run("--key", key, "--", "touch", str(second), dsn=dsn)
+            assert result.returncode == 75
+            assert not second.exists()
+            skipped = event(result.stderr, "skipped")
+            assert skipped["holder_pid"] == holder.pid
+            assert skipped["holder_host"] == os.uname().nodename
+            assert skipped["holder_since"]
+            assert skipped["level"] == "info"
+        finally:
+            stderr = jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert skipped["holder_run_id"] == event(stderr, "started")["run_id"]
+
+    def test_skip_exit_code_can_be_zero(self, dsn, key, tmp_path):
+        """--skip-exit-code 0 makes a skip a success for cron and CI."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run("--key", key, "--skip-exit-code", "0", "--", "true", dsn=dsn)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 0
+        assert event(result.stderr, "skipped")["exit_code"] == 0
+
+    def test_twenty_simultaneous_starters_run_one_child(self, dsn, key, tmp_path):
+        """Of 20 runs started at once, exactly one child runs; 19 skip."""
+        ran = tmp_path / "ran"
+        go = tmp_path / "go"
+        body = (
+            "import os, time\n"
+            f"open({str(ran)!r}, 'a').write(os.environ['JOBRUN_RUN_ID'] + '\\n')\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        )
+        runs = [
+            jobrun_cli.start("--key", key, "--", *jobrun_cli.child_script(body), dsn=dsn)
+            for _ in range(20)
+        ]
+        try:
+            # The child holds the lock until we say go: everyone else must have skipped.
+            wait_until(
+                lambda: sum(r.poll() is not None for r in runs) == 19,
+                timeout=60,
+                what="19 runs to finish",
+            )
+        finally:
+            go.touch()
+        for r in runs:
+            r.communicate(timeout=60)
+        codes = sorted(r.returncode for r in runs)
+        assert codes == [0] + [75] * 19
+        assert len(ran.read_text().splitlines()) == 1
+
+    def test_wait_acquires_when_the_holder_finishes(self, dsn, key, tmp_path):
+        """--wait takes the lock as soon as the holder releases it."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        wait_for_file(marker)
+        waiter = jobrun_cli.start("--key", key, "--wait", "60s", "--", "true", dsn=dsn)
+        wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
+        jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        _, stderr = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, stderr
+        assert event(stderr, "finished")["outcome"] == "succeeded"
+
+    def test_wait_gives_up_after_its_duration(self, dsn, key, tmp_path):
+        """--wait 1s against a holder that stays: skipped after about a second."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run("--key", key, "--wait", "1s", "--", "true", dsn=dsn)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 75
+        assert event(result.stderr, "skipped")["holder_pid"] == holder.pid
+
+
+def advisory_waiters(dsn: str) -> list[int]:
+    """Backends waiting for any advisory lock."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
+class TestSeveralKeys:
+    """Several --key flags: all or nothing, in ascending lock-id order."""
+
+    @staticmethod
+    def two_keys() -> tuple[str, str]:
+        """Two fresh names, ordered by lock id (low, high)."""
+        a, b = f"multi-{uuid.uuid4().hex}", f"multi-{uuid.uuid4().hex}"
+        return (a, b) if keys.lock_id_for(a) < keys.lock_id_for(b) else (b, a)
+
+    def test_all_or_nothing(self, dsn, tmp_path):
+        """If one key is held, the other is released again and the run skips."""
+        low, high = self.two_keys()
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", high, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            both = jobrun_cli.run("--key", low, "--key", high, "--", "true", dsn=dsn)
+            assert both.returncode == 75
+            assert event(both.stderr, "skipped")["holder_key"] == high
+            assert advisory_holders(dsn, low) == []
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+
+    def test_taken_in_ascending_lock_id_order(self, dsn, tmp_path):
+        """Waiting for the higher key, a run already holds the lower one."""
+        low, high = self.two_keys()
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", high, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        waiter = jobrun_cli.start(
+            "--key", high, "--key", low, "--wait", "60s", "--", "true", dsn=dsn
+        )
+        try:
+            wait_for_file(marker)
+            wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
+            assert len(advisory_holders(dsn, low)) == 1
+            lower_only = jobrun_cli.run("--key", low, "--", "true", dsn=dsn)
+            assert lower_only.returncode == 75
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        _, stderr = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, stderr
+        started = event(stderr, "started")
+        assert started["key"] == f"{low},{high}"
+        assert started["lock_id"] == [keys.lock_id_for(low), keys.lock_id_for(high)]
+
+
+class TestSignalsAndDeath:
+    """The child never outlives jobrun, and signals reach it."""
+
+    def test_sigterm_is_forwarded_and_exit_is_143(self, dsn, key, tmp_path):
+        """SIGTERM to jobrun reaches the child, which dies of it: exit 143."""
+        marker = tmp_path / "child"
+        proc = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        wait_for_file(marker)
+        stderr = jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
+        assert proc.returncode == 143
+        assert event(stderr, "signal_forwarded")["signal"] == "SIGTERM"
+        assert event(stderr, "finished")["signal"] == "SIGTERM"
+
+    @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1, signal.SIGINT])
+    def test_other_signals_are_forwarded(self, dsn, key, tmp_path, signum):
+        """HUP, USR1, INT reach the child (which reports and exits 0)."""
+        ready, got = tmp_path / "ready", tmp_path / "got"
+        body = (
+            "import signal, sys, time\n"
+            f"def h(n, f):\n    open({str(got)!r}, 'w').write(str(n)); sys.exit(0)\n"
+            f"signal.signal({int(signum)}, h)\n"
+            f"open({str(ready)!r}, 'w').write('ready\\n')\n"
+            "while True: time.sleep(1)\n"
+        )
+        proc = jobrun_cli.start("--key", key, "--", *jobrun_cli.child_script(body), dsn=dsn)
+        wait_for_file(ready)
+        jobrun_cli.signal_and_wait(proc, signum)
+        assert proc.returncode == 0
+        assert got.read_text() == str(int(signum))
+
+    def test_kill_9_of_jobrun_kills_child_and_frees_the_lock(self, dsn, key, tmp_path):
+        """After SIGKILL to jobrun the child dies and the next run acquires."""
+        marker = tmp_path / "child"
+        proc = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        child_pid = int(wait_for_file(marker))
+        proc.kill()
+        proc.communicate(timeout=10)
+        wait_until(lambda: jobrun_cli.process_gone(child_pid), what="the child to die")
+        result = jobrun_cli.run("--key", key, "--wait", "10s", "--", "true", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+
+
+class TestTimeout:
+    """--timeout stops the whole process group."""
+
+    def test_timeout_exits_124_and_the_group_is_gone(self, dsn, key, tmp_path):
+        """A child ignoring SIGTERM, with a grandchild, is killed after --kill-after."""
+        marker = tmp_path / "grandchild"
+        script = f'trap "" TERM; sleep 300 & echo $! > "{marker}"; wait; wait'
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--timeout",
+            "1s",
+            "--kill-after",
+            "500ms",
+            "--",
+            "sh",
+            "-c",
+            script,
+            dsn=dsn,
+        )
+        assert result.returncode == 124, result.stderr
+        started = event(result.stderr, "started")
+        assert jobrun_cli.group_gone(started["child_pid"])
+        assert jobrun_cli.process_gone(int(marker.read_text()))
+        finished = event(result.stderr, "finished")
+        assert finished["outcome"] == "timed_out"
+        assert event(result.stderr, "timed_out")["level"] == "error"
+
+    def test_leftover_background_processes_are_stopped(self, dsn, key, tmp_path):
+        """A child that exits leaving a background process: it is stopped before release."""
+        marker = tmp_path / "bg"
+        script = f'sleep 300 & echo $! > "{marker}"; exit 0'
+        result = jobrun_cli.run("--key", key, "--", "sh", "-c", script, dsn=dsn)
+        assert result.returncode == 0
+        assert jobrun_cli.process_gone(int(marker.read_text()))
+        assert event(result.stderr, "leftover_processes")["action"] == "SIGTERM"
+
+
+class TestExecFailures:
+    """A command that cannot start: 126/127, logged, lock released."""
+
+    def test_not_found_is_127(self, dsn, key):
+        """A missing command: exit 127 and an exec_failed line."""
+        result = jobrun_cli.run("--key", key, "--", "no-such-command-xyz", dsn=dsn)
+        assert result.returncode == 127
+        assert event(result.stderr, "exec_failed")["exit_code"] == 127
+        assert advisory_holders(dsn, key) == []
+
+    def test_not_executable_is_126(self, dsn, key, tmp_path):
+        """A file without the execute bit: exit 126."""
+        script = tmp_path / "script.sh"
+        script.write_text("#!/bin/sh\necho hi\n")
+        script.chmod(0o644)
+        result = jobrun_cli.run("--key", key, "--", str(script), dsn=dsn)
+        assert result.returncode == 126
+        assert event(result.stderr, "exec_failed")["exit_code"] == 126
+        assert advisory_holders(dsn, key) == []
+
+
+class TestDatabaseDown:
+    """No database: exit 69 and no child, unless --on-db-error run."""
+
+    def test_unreachable_database_exits_69_without_running(self, key, tmp_path):
+        """Connection refused: one error line, exit 69, child never started."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--connect-timeout",
+            "2s",
+            "--",
+            "touch",
+            str(marker),
+            dsn="host=127.0.0.1 port=1 dbname=nope",
+        )
+        assert result.returncode == 69
+        assert not marker.exists()
+        unavailable = event(result.stderr, "lockstore_unavailable")
+        assert unavailable["level"] == "error"
+        assert unavailable["running_unguarded"] is False
+        assert "Traceback" not in result.stderr
+
+    def test_on_db_error_run_runs_unguarded(self, key, tmp_path):
+        """--on-db-error run: the child runs and its status is ours; the line says so."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--on-db-error",
+            "run",
+            "--",
+            "sh",
+            "-c",
+            f'touch "{marker}"; exit 5',
+            dsn="host=127.0.0.1 port=1",
+        )
+        assert result.returncode == 5
+        assert marker.exists()
+        assert event(result.stderr, "lockstore_unavailable")["running_unguarded"] is True
+        assert event(result.stderr, "started")["guarded"] is False
+
+
+class TestEventLines:
+    """Structured lines: JSON that parses and carries the promised fields."""
+
+    def test_every_line_carries_the_common_fields(self, dsn, key):
+        """started and finished carry key, lock id, run id, host, pid, version, UTC time."""
+        result = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
+        lines = events(result.stderr)
+        assert [e["event"] for e in lines] == ["started", "finished"]
+        for line in lines:
+            assert line.keys() >= COMMON_FIELDS
+            assert line["lock_id"] == keys.lock_id_for(key)
+            assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", line["timestamp"])
+        assert lines[0]["run_id"] == lines[1]["run_id"]
+        finished = lines[1]
+        assert {"exit_code", "signal", "duration"} <= finished.keys()
+
+    def test_run_ids_are_unique(self, dsn, key):
+        """Two runs never share a run id."""
+        ids = {
+            event(jobrun_cli.run("--key", key, "--", "true", dsn=dsn).stderr, "started")["run_id"]
+            for _ in range(3)
+        }
+        assert len(ids) == 3
+
+    def test_log_file_collects_lines_from_concurrent_runs(self, dsn, key, tmp_path):
+        """Ten runs appending to one --log-file: every line is whole JSON."""
+        log = tmp_path / "jobrun.log"
+        runs = [
+            jobrun_cli.start("--key", f"{key}-{i}", "--log-file", str(log), "--", "true", dsn=dsn)
+            for i in range(10)
+        ]
+        for proc in runs:
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 0
+            assert stderr == ""
+        lines = events(log.read_text())
+        assert sorted(e["event"] for e in lines) == ["finished"] * 10 + ["started"] * 10
+
+    @pytest.mark.parametrize("fmt", ["logfmt", "console"])
+    def test_other_formats(self, dsn, key, fmt):
+        """logfmt and console render one line per event with the event name."""
+        result = jobrun_cli.run("--key", key, "--log-format", fmt, "--", "true", dsn=dsn)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 2
+        assert "started" in lines[0]
+        assert "finished" in lines[1]
+
+
+class TestSecrets:
+    """A password in the DSN never reaches any output."""
+
+    SECRET = "hunter2-do-not-print"  # noqa: S105 - the point of the test
+
+    def test_password_in_failing_dsn_is_hidden(self, key):
+        """Connection errors do not echo the password."""
+        for dsn in (
+            f"host=127.0.0.1 port=1 user=u password={self.SECRET}",
+            f"postgresql://u:{self.SECRET}@127.0.0.1:1/db",
+        ):
+            result = jobrun_cli.run("--key", key, "--dsn", dsn, "--", "true", dsn=None)
+            assert result.returncode == 69
+            assert self.SECRET not in result.stderr + result.stdout
+
+    def test_password_on_command_line_warns_and_stays_hidden(self, dsn, key):
+        """A working DSN with a password: the run works, warns about ps, never prints it."""
+        with_password = f"{dsn} password={self.SECRET}"
+        result = jobrun_cli.run("--key", key, "--dsn", with_password, "--", "true", dsn=None)
+        assert result.returncode == 0, result.stderr
+        assert self.SECRET not in result.stderr + result.stdout
+        assert event(result.stderr, "password_on_command_line")["level"] == "warning"
+
+    def test_password_in_environment_does_not_warn(self, dsn, key):
+        """JOBRUN_DSN is not visible in ps: no warning."""
+        result = jobrun_cli.run("--key", key, "--", "true", dsn=f"{dsn} password={self.SECRET}")
+        assert result.returncode == 0
+        assert "password_on_command_line" not in result.stderr
+        assert self.SECRET not in result.stderr
