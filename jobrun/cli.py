@@ -347,6 +347,51 @@ def key_command(names: tuple[str, ...]) -> int:
     return 0
 
 
+@cli.command("drill", context_settings={"ignore_unknown_options": False})
+@click.option("--key", "key_name", required=True, metavar="NAME", help="Key to drill with.")
+@click.option("--mode", type=click.Choice(MODES), default="session", show_default=True)
+@click.option("--ttl", default="10s", show_default=True, metavar="DURATION", help="Lease TTL.")
+@click.option("--kill-after", default="2s", show_default=True, metavar="DURATION")
+@click.option("--heartbeat", metavar="DURATION", help="As for a run.")
+@_db_options
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
+    r"""Rehearse the crash paths on your database: skip, kill -9, lock taken away.
+
+    \b
+      jobrun drill --key drill-nightly-export [--mode lease] [-- COMMAND...]
+
+    Starts a guarded run of COMMAND (default: sleep 600), checks that a second instance
+    skips, kills jobrun with SIGKILL (the child must die, the next run must acquire), then
+    takes the lock away mid-run (terminates the backend in session mode, hands the lease
+    to another owner in lease mode): the child must be stopped. Prints a checklist; exits 0
+    only if every step passed. Use a key no real job uses.
+    """
+    from jobrun import db, drill
+    from jobrun.locks.lease import timing
+
+    key = keys.from_name(key_name)
+    kill_after = durations.parse(o["kill_after"], option="--kill-after")
+    heartbeat = _duration(o["heartbeat"], "--heartbeat")
+    ttl = durations.parse(o["ttl"], option="--ttl")
+    if o["mode"] == "lease":
+        timing(ttl, kill_after, heartbeat)
+    target = db.Target(
+        dsn=o["dsn"],
+        connect_timeout=durations.parse(o["connect_timeout"], option="--connect-timeout"),
+    )
+    plan = drill.Drill(
+        key=key,
+        mode=o["mode"],
+        target=target,
+        command=command or ("sleep", "600"),
+        ttl=ttl,
+        kill_after=kill_after,
+        heartbeat=heartbeat,
+    )
+    return drill.run_drill(plan, click.echo)
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: the one place exceptions become exit statuses."""
     try:
@@ -361,6 +406,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         status = exc.exit_code
     except click.Abort:
         status = 128 + 2
+    except Exception as exc:  # a bug: one line, and the traceback only when asked for
+        if os.environ.get("JOBRUN_DEBUG"):
+            raise
+        _error(f"internal error: {type(exc).__name__}: {exc} (set JOBRUN_DEBUG=1 for details)")
+        status = Exit.INTERNAL
     sys.exit(int(status or 0))
 
 

@@ -89,8 +89,15 @@ RETURNING lock_id
 #: Release only what is still ours: a stale run can never release a newer run's lease.
 LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s"
 
-#: Make a lease expire now (``jobrun drill`` takes a lease away with it).
-LEASE_EXPIRE = """
-UPDATE jobrun.leases SET expires_at = clock_timestamp() - interval '1 second'
-WHERE lock_id = ANY(%(lock_ids)s)
+# --- jobrun drill: taking a lock away on purpose ----------------------------------------
+
+DRILL_TERMINATE_HOLDER = """
+SELECT pg_terminate_backend(pid) FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1
+  AND classid = %s::int8::oid AND objid = %s::int8::oid
 """
+
+#: A stranger takes the lease over: the holder's next owner-checked renewal must fail.
+DRILL_STEAL_LEASE = "UPDATE jobrun.leases SET owner = %s WHERE lock_id = %s"
+
+DRILL_DELETE_LEASE = "DELETE FROM jobrun.leases WHERE lock_id = %s"
