@@ -240,11 +240,12 @@ def _steps(drill: Drill) -> None:
         timeout=wait + STEP_TIMEOUT,
     )
     took = time.monotonic() - t
+    expectation = f"about {expected:g}s" if expected else "at once"
     drill.record(
         "next run acquired after the crash",
         after.returncode == 0,
         t_next,
-        f"{took:.2f}s after the kill (expected {f'about {expected:g}s' if expected else 'at once'})",
+        f"{took:.2f}s after the kill (expected {expectation})",
     )
 
     # 5. The lock is taken away mid-run: the child must be stopped.
