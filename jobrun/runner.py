@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,8 +81,6 @@ def _run(
     environ: Mapping[str, str],
     log: FilteringBoundLogger,
 ) -> int:
-    # Deadlines count from when the acquisition was *sent*: never later than the truth.
-    asked_at = time.monotonic()
     try:
         holder = lock.acquire(job.wait)
     except LockStoreUnavailable as exc:
@@ -105,7 +102,7 @@ def _run(
                 identity=identity,
                 environ=environ,
                 log=log,
-                lock=(lock, asked_at),
+                lock=lock,
             )
         finally:
             lock.release()
@@ -118,9 +115,9 @@ def _run_child(
     identity: Identity,
     environ: Mapping[str, str],
     log: FilteringBoundLogger,
-    lock: tuple[Lock, float] | None = None,
+    lock: Lock | None = None,
 ) -> int:
-    """Spawn and supervise the child; ``lock`` is the held lock and when it was asked for."""
+    """Spawn and supervise the child under ``lock`` (None: unguarded)."""
     env = child_environment(environ, job, identity.run_id)
     supervise.become_subreaper()
     try:
@@ -132,9 +129,9 @@ def _run_child(
     watchdog = None
     if lock is not None:
         watchdog = Watchdog(
-            lock[0],
+            lock,
             interval=job.heartbeat,
-            confirmed_at=lock[1],
+            confirmed_at=lock.confirmed_at,
             wake=supervise.wake_main_thread(),
             log=log,
         )

@@ -48,6 +48,8 @@ class Lock(Protocol):
     #: Seconds, counted from when a successful check was *sent*, that the child may go on
     #: running without another successful check.
     confirmation_lifetime: float
+    #: Monotonic time the successful acquisition was sent (lease) or completed (session).
+    confirmed_at: float
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key (None) or none of them (who holds the first one we could not get)."""

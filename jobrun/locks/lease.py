@@ -77,6 +77,7 @@ class LeaseLock:
         self._log = log
         self._ttl = ttl
         self.confirmation_lifetime = lifetime
+        self.confirmed_at = 0.0
         self._app_name = db.application_name(describe(keys))
         self._held = False
         self._params = {
@@ -103,13 +104,18 @@ class LeaseLock:
             db.connect(self._target, app_name=self._app_name) as conn,
             db.translate_errors(self._target, "taking the lease"),
         ):
+            # Deadlines count from when the winning statement was *sent*: never later
+            # than the database's own start of the lease.
+            sent = time.monotonic()
             try:
                 taken = self._insert(conn)
             except errors.UndefinedTable:
                 ensure_schema(conn)
+                sent = time.monotonic()
                 taken = self._insert(conn)
             if taken:
                 self._held = True
+                self.confirmed_at = sent
                 return None
             row = conn.execute(sql.LEASE_HOLDERS, self._params).fetchone()
         if row is None:  # expired or released between the two statements: try again later

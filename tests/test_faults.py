@@ -1,0 +1,358 @@
+"""The lock never lies: terminated backends, restarts, cut networks, poolers, crashed holders."""
+
+from __future__ import annotations
+
+import datetime as dt
+import select
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from jobrun import keys
+from support import jobrun_cli
+from support.jobrun_cli import event, wait_for_file, wait_until
+
+#: A child that proves mutual exclusion on its own: it takes an exclusive flock on a file
+#: shared by every child of the test; a second child alive at the same time cannot, and
+#: records the overlap. The kernel drops the flock the instant a child dies.
+GUARDED_CHILD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    with open(sys.argv[1] + ".overlap", "a") as f:
+        f.write(os.environ["JOBRUN_RUN_ID"] + "\\n")
+    sys.exit(99)
+with open(sys.argv[2], "w") as f:
+    f.write(str(os.getpid()) + "\\n")
+time.sleep(float(sys.argv[3]))
+"""
+
+
+class Children:
+    """Guarded children of one test that share a flock file."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.lockfile = tmp_path / "exclusive"
+        self.tmp_path = tmp_path
+        self.count = 0
+
+    def argv(self, seconds: float = 300) -> tuple[list[str], Path]:
+        """argv for the next child, and the marker it writes once it runs."""
+        self.count += 1
+        marker = self.tmp_path / f"child-{self.count}"
+        cmd = [sys.executable, "-c", GUARDED_CHILD, str(self.lockfile), str(marker), str(seconds)]
+        return cmd, marker
+
+    def overlaps(self) -> list[str]:
+        """Run ids of children that found another child running."""
+        path = Path(str(self.lockfile) + ".overlap")
+        return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Children:
+    return Children(tmp_path)
+
+
+def backend_of(dsn: str, name: str) -> int:
+    """The backend pid holding key ``name``."""
+    classid, objid = keys.from_name(name).pg_locks_pair
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
+            (classid, objid),
+        ).fetchone()
+    assert row is not None, "nobody holds the key"
+    return int(row[0])
+
+
+def lease_expiry(dsn: str, name: str) -> dt.datetime:
+    """expires_at of the lease on key ``name``, on the database's clock."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT expires_at FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(name),)
+        ).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def event_time(line: dict[str, object]) -> dt.datetime:
+    """An event line's timestamp as an aware datetime."""
+    return dt.datetime.fromisoformat(str(line["timestamp"]).replace("Z", "+00:00"))
+
+
+def start_holder(children: Children, *args: str, dsn: str) -> tuple[object, int]:
+    """A guarded long-running child under jobrun; wait until it runs; (process, child pid)."""
+    argv, marker = children.argv()
+    proc = jobrun_cli.start(*args, "--", *argv, dsn=dsn)
+    return proc, int(wait_for_file(marker))
+
+
+class TestSessionLockLost:
+    """Session mode: whatever ends the session stops the child (exit 76)."""
+
+    def test_terminated_backend_stops_the_child(self, dsn, key, children):
+        """pg_terminate_backend of the lock session: lock_lost, child stopped, exit 76."""
+        proc, child = start_holder(children, "--key", key, "--kill-after", "2s", dsn=dsn)
+        with psycopg.connect(dsn) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (backend_of(dsn, key),))
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 76, stderr
+        assert "lock session broke" in event(stderr, "lock_lost")["reason"]
+        assert event(stderr, "finished")["outcome"] == "lock_lost"
+        assert jobrun_cli.process_gone(child)
+        argv, _ = children.argv(0)
+        assert jobrun_cli.run("--key", key, "--", *argv, dsn=dsn).returncode == 0
+        assert children.overlaps() == []
+
+    def test_ignore_lets_the_child_finish(self, dsn, key, children, tmp_path):
+        """--on-lock-lost ignore: an error line, and the child's own status."""
+        marker = tmp_path / "ignored"
+        proc = jobrun_cli.start(
+            "--key", key, "--on-lock-lost", "ignore", "--",
+            "sh", "-c", f'echo $$ > "{marker}"; while [ ! -e "{marker}.go" ]; do sleep 0.05; done',
+            dsn=dsn,
+        )  # fmt: skip
+        wait_for_file(marker)
+        with psycopg.connect(dsn) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (backend_of(dsn, key),))
+        # The child is told nothing: we let it finish once the loss has been logged.
+        lines: list[str] = []
+        assert proc.stderr is not None
+        wait_until(lambda: _read_until(proc.stderr, lines, '"lock_lost"'), what="lock_lost")
+        Path(f"{marker}.go").touch()
+        _, rest = proc.communicate(timeout=30)
+        stderr = "".join(lines) + rest
+        assert proc.returncode == 0
+        assert event(stderr, "lock_lost")["action"] == "ignore"
+
+    @pytest.mark.fault
+    def test_server_restart_stops_the_child(self, private_server, key, children):
+        """A restart ends every session: the child is stopped; the next run gets the lock."""
+        dsn = private_server.dsn()
+        proc, child = start_holder(children, "--key", key, "--kill-after", "2s", dsn=dsn)
+        private_server.restart()
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 76, stderr
+        assert jobrun_cli.process_gone(child)
+        argv, _ = children.argv(0.2)
+        after = jobrun_cli.run("--key", key, "--wait", "30s", "--", *argv, dsn=dsn)
+        assert after.returncode == 0, after.stderr
+        assert children.overlaps() == []
+
+    @pytest.mark.fault
+    def test_dropped_connection_stops_the_child(self, private_server, proxy, key, children):
+        """The proxy resets the lock session: lock lost, exit 76."""
+        cut = proxy(private_server.host, private_server.port)
+        dsn = cut.dsn_for(private_server.dsn())
+        proc, child = start_holder(children, "--key", key, "--kill-after", "2s", dsn=dsn)
+        assert cut.drop_all() >= 1
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 76, stderr
+        assert jobrun_cli.process_gone(child)
+
+    @pytest.mark.fault
+    def test_blackholed_network_stops_the_child(self, private_server, proxy, key, children):
+        """No answer at all (a cut cable): the lock counts as lost and the child is stopped.
+
+        Meanwhile the server still holds the session, so nobody else may start: the lock
+        is never held twice. (Detection time: benchmarks/bench_detection.py.)
+        """
+        cut = proxy(private_server.host, private_server.port)
+        proc, child = start_holder(
+            children, "--key", key, "--kill-after", "1s", dsn=cut.dsn_for(private_server.dsn())
+        )
+        cut.blackhole()
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 76, stderr
+        assert jobrun_cli.process_gone(child)
+        direct = jobrun_cli.run("--key", key, "--", "true", dsn=private_server.dsn())
+        assert direct.returncode == 75  # the server-side session still holds it
+        cut.drop_all()
+        argv, _ = children.argv(0)
+        after = jobrun_cli.run("--key", key, "--wait", "30s", "--", *argv, dsn=private_server.dsn())
+        assert after.returncode == 0, after.stderr
+        assert children.overlaps() == []
+
+    @pytest.mark.fault
+    def test_idle_session_timeout_does_not_kill_the_lock(self, private_server_factory, key):
+        """With idle_session_timeout = 1s on the server, a quiet lock session survives."""
+        server = private_server_factory({"idle_session_timeout": "1s"})
+        dsn = server.dsn()
+        with psycopg.connect(dsn, autocommit=True) as idle:
+            # The setting is live: a plain idle session is closed by the server.
+            readable, _, _ = select.select([idle.fileno()], [], [], 30)
+            assert readable
+        result = jobrun_cli.run(
+            "--key", key, "--heartbeat", "5s", "--", "sleep", "3", dsn=dsn, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert "lock_lost" not in result.stderr
+
+
+def _read_until(stream, lines: list[str], needle: str) -> bool:
+    """Read one line if available; True once a line contains ``needle``."""
+    if select.select([stream], [], [], 0.05)[0]:
+        line = stream.readline()
+        lines.append(line)
+    return any(needle in line for line in lines)
+
+
+class TestPooler:
+    """PgBouncer in transaction mode: session mode refused, lease mode works."""
+
+    def test_session_mode_is_refused_behind_transaction_pooling(
+        self, pgbouncer, pg_address, dsn, key, tmp_path
+    ):
+        """Exit 69 with reason transaction_pooler; the child never starts."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run("--key", key, "--", "touch", str(marker), dsn=bouncer.dsn_for(dsn))
+        assert result.returncode == 69, result.stderr
+        unavailable = event(result.stderr, "lockstore_unavailable")
+        assert unavailable["reason"] == "transaction_pooler"
+        assert "--mode lease" in unavailable["error"]
+        assert not marker.exists()
+
+    def test_session_mode_works_behind_session_pooling(self, pgbouncer, pg_address, dsn, key):
+        """A pooler in session mode keeps our session: no false alarm."""
+        bouncer = pgbouncer(*pg_address, pool_mode="session")
+        result = jobrun_cli.run("--key", key, "--", "true", dsn=bouncer.dsn_for(dsn))
+        assert result.returncode == 0, result.stderr
+
+    def test_lease_mode_works_through_transaction_pooling(
+        self, pgbouncer, pg_address, dsn, key, children
+    ):
+        """Lease mode through PgBouncer: one run holds, a concurrent one skips."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        pooled = bouncer.dsn_for(dsn)
+        args = ("--key", key, "--mode", "lease", "--ttl", "6s", "--kill-after", "1s")
+        proc, _ = start_holder(children, *args, dsn=pooled)
+        second = jobrun_cli.run(*args, "--", "true", dsn=pooled)
+        assert second.returncode == 75, second.stderr
+        stderr = jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
+        assert proc.returncode == 143, stderr
+        assert "heartbeat_failed" not in stderr
+
+
+class TestLeaseFaults:
+    """Lease mode: a crashed holder keeps the lease until it expires; a cut one stops early."""
+
+    def test_killed_holder_blocks_others_until_expiry(self, dsn, key, children):
+        """kill -9 of the holder: others skip until the TTL ends, then acquire at once."""
+        args = ("--key", key, "--mode", "lease", "--ttl", "4s", "--kill-after", "1s")
+        proc, child = start_holder(children, *args, dsn=dsn)
+        proc.kill()
+        proc.communicate(timeout=10)
+        expires = lease_expiry(dsn, key)
+        wait_until(lambda: jobrun_cli.process_gone(child), what="the child to die")
+        early = jobrun_cli.run(*args, "--", "true", dsn=dsn)
+        if event_time(event(early.stderr, "skipped")) < expires:
+            assert early.returncode == 75
+        argv, _ = children.argv(0)
+        after = jobrun_cli.run(*args, "--wait", "30s", "--", *argv, dsn=dsn)
+        assert after.returncode == 0, after.stderr
+        assert event_time(event(after.stderr, "started")) >= expires
+        assert children.overlaps() == []
+
+    @pytest.mark.fault
+    def test_cut_off_holder_stops_its_child_before_the_lease_expires(
+        self, private_server, proxy, key, children
+    ):
+        """Renewals cannot get through: the child is dead before expires_at; then others run."""
+        cut = proxy(private_server.host, private_server.port)
+        args = ("--key", key, "--mode", "lease", "--ttl", "6s", "--kill-after", "1s",
+                "--connect-timeout", "2s")  # fmt: skip
+        proc, child = start_holder(children, *args, dsn=cut.dsn_for(private_server.dsn()))
+        cut.blackhole()
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 76, stderr
+        finished = event(stderr, "finished")
+        assert jobrun_cli.process_gone(child)
+        assert event_time(finished) < lease_expiry(private_server.dsn(), key)
+        argv, _ = children.argv(0)
+        after = jobrun_cli.run(*args, "--wait", "30s", "--", *argv, dsn=private_server.dsn())
+        assert after.returncode == 0, after.stderr
+        assert children.overlaps() == []
+
+    def test_stolen_lease_stops_the_child(self, dsn, key, children):
+        """A renewal that finds another owner: lock lost at once, exit 76."""
+        args = ("--key", key, "--mode", "lease", "--ttl", "6s", "--kill-after", "1s")
+        proc, child = start_holder(children, *args, dsn=dsn)
+        with psycopg.connect(dsn) as conn:
+            conn.execute(
+                "UPDATE jobrun.leases SET owner = gen_random_uuid() WHERE lock_id = %s",
+                (keys.lock_id_for(key),),
+            )
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 76, stderr
+        assert "taken over" in event(stderr, "lock_lost")["reason"]
+        assert jobrun_cli.process_gone(child)
+
+
+class TestLeaseBasics:
+    """Lease mode's table, concurrency and invariants."""
+
+    def test_fifty_first_runs_at_once(self, private_server, key, tmp_path):
+        """50 runs on a fresh database create the schema once; exactly one child runs."""
+        dsn = private_server.dsn()
+        ran = tmp_path / "ran"
+        go = tmp_path / "go"
+        body = (
+            "import os, time\n"
+            f"open({str(ran)!r}, 'a').write('x\\n')\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        )
+        runs = [
+            jobrun_cli.start("--key", key, "--mode", "lease", "--", *jobrun_cli.child_script(body),
+                             dsn=dsn)
+            for _ in range(50)
+        ]  # fmt: skip
+        try:
+            wait_until(lambda: sum(r.poll() is not None for r in runs) == 49, timeout=120,
+                       what="49 runs to finish")  # fmt: skip
+        finally:
+            go.touch()
+        outputs = [r.communicate(timeout=60)[1] for r in runs]
+        codes = sorted(r.returncode for r in runs)
+        assert codes == [0] + [75] * 49, [o for o in outputs if "Traceback" in o or "error" in o][
+            :2
+        ]
+        assert ran.read_text() == "x\n"
+
+    def test_release_is_owner_checked(self, dsn, key):
+        """After a run the lease row is gone; a stale owner's release deletes nothing."""
+        result = jobrun_cli.run("--key", key, "--mode", "lease", "--", "true", dsn=dsn)
+        assert result.returncode == 0
+        with psycopg.connect(dsn) as conn:
+            rows = conn.execute(
+                "SELECT count(*) FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(key),)
+            ).fetchone()
+        assert rows == (0,)
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ("--ttl", "10s"),  # kill-after 10s leaves no room
+            ("--ttl", "30s", "--heartbeat", "20s"),  # two heartbeats do not fit
+            ("--ttl", "0"),
+        ],
+    )
+    def test_bad_timing_is_a_usage_error(self, key, args):
+        """ttl vs heartbeat vs kill-after is checked before anything runs, with a fix."""
+        result = jobrun_cli.run("--key", key, "--mode", "lease", *args, "--", "true", dsn=None)
+        assert result.returncode == 64
+        assert "--ttl" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_threads_are_not_left_behind() -> None:
+    """Guard for this module: no test left a helper thread running."""
+    assert [t.name for t in threading.enumerate() if t.name.startswith("jobrun")] == []
