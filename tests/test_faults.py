@@ -112,7 +112,7 @@ class TestSessionLockLost:
         assert jobrun_cli.run("--key", key, "--", *argv, dsn=dsn).returncode == 0
         assert children.overlaps() == []
 
-    def test_ignore_lets_the_child_finish(self, dsn, key, children, tmp_path):
+    def test_ignore_lets_the_child_finish(self, dsn, key, tmp_path):
         """--on-lock-lost ignore: an error line, and the child's own status."""
         marker = tmp_path / "ignored"
         proc = jobrun_cli.start(
