@@ -392,6 +392,18 @@ def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
     return drill.run_drill(plan, click.echo)
 
 
+@cli.command("demo")
+@click.option("--dsn", envvar="JOBRUN_DSN", default="", metavar="DSN", help="Database to use.")
+def demo_command(dsn: str) -> int:
+    """See jobrun work: a run, a skip, a later run (throwaway database if none answers)."""
+    from jobrun import demo, throwaway
+
+    try:
+        return demo.run(dsn, click.echo)
+    except throwaway.NoPostgresError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: the one place exceptions become exit statuses."""
     try:

@@ -137,3 +137,15 @@ class TestLeanImports:
             [sys.executable, "-c", code], capture_output=True, text=True, check=False
         )
         assert "HEAVY []" in result.stderr, result.stderr
+
+
+class TestDemo:
+    """`jobrun demo`, the README's quick start."""
+
+    def test_demo_without_a_database_uses_a_throwaway_server(self):
+        """No database answers: a throwaway server; run, skip (75), run; exit 0."""
+        result = jobrun_cli.run("demo", dsn="host=127.0.0.1 port=1", timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "starting a throwaway PostgreSQL" in result.stdout
+        assert "-> exit 75" in result.stdout
+        assert "demo passed" in result.stdout
