@@ -279,15 +279,13 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     run_keys = keys.resolve(o["key_names"], o["lock_ids"])
     timing = _timing(o)
 
-    import uuid
-
     from jobrun import db, log, runner
-    from jobrun.locks import Identity, Lock, lease, session
+    from jobrun.locks import Identity, Lock, new_run_id
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
     fd = log.open_log_file(o["log_file"]) if o["log_file"] else None
     logger = log.configure(fmt=o["log_format"], level=o["log_level"], fd=fd, secrets=target.secrets)
-    identity = Identity(run_id=str(uuid.uuid4()), pid=os.getpid())
+    identity = Identity(run_id=new_run_id(), pid=os.getpid())
     bound = logger.bind(
         key=keys.describe(run_keys),
         lock_id=run_keys[0].lock_id if len(run_keys) == 1 else [k.lock_id for k in run_keys],
@@ -316,10 +314,14 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     )
     lock: Lock
     if o["mode"] == "lease":
+        from jobrun.locks import lease
+
         lock = lease.LeaseLock(
             run_keys, target, identity, bound, ttl=timing.ttl, lifetime=timing.lifetime
         )
     else:
+        from jobrun.locks import session
+
         lock = session.SessionLock(run_keys, target, identity, bound, heartbeat=timing.heartbeat)
     return runner.run(job, lock=lock, identity=identity, environ=os.environ, log=bound)
 

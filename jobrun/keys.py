@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import unicodedata
 from dataclasses import dataclass
 
@@ -38,6 +37,8 @@ def lock_id_for(name: str) -> int:
     WARNING: this mapping is a public contract (it is in the README and pinned by test
     vectors); changing it would let old and new jobrun versions run the same job at once.
     """
+    import hashlib  # noqa: PLC0415 - OpenSSL's load costs --help and --version 4 ms for nothing
+
     digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
 

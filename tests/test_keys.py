@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+
 import psycopg
 import pytest
 
 from jobrun import keys
 from jobrun.exitcodes import UsageError
+from jobrun.locks import new_run_id
 
 #: Pinned: changing any of these lets two jobrun versions run one job at once.
 VECTORS = [
@@ -79,3 +82,16 @@ class TestValidation:
         """--key x --lock-id <id of x> takes one lock, named x."""
         resolved = keys.resolve(("a",), (str(keys.lock_id_for("a")),))
         assert resolved == (keys.Key(lock_id=keys.lock_id_for("a"), name="a"),)
+
+
+class TestRunIds:
+    """Run ids are random version-4 UUIDs."""
+
+    def test_run_ids_are_uuid4(self):
+        """They parse as UUIDs of version 4 and differ each time."""
+        ids = {new_run_id() for _ in range(1000)}
+        assert len(ids) == 1000
+        for text in list(ids)[:50]:
+            parsed = uuid.UUID(text)
+            assert parsed.version == 4
+            assert str(parsed) == text

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+def new_run_id() -> str:
+    """A random (version 4) UUID as text, without importing ``uuid`` (and ``platform``)."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 @dataclass(frozen=True)
