@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import click
 from click.core import ParameterSource
@@ -238,8 +237,7 @@ def cli(ctx: click.Context, /, **options: Any) -> int | None:
     return _run(argv, dsn_on_command_line=dsn_on_command_line, **options)
 
 
-@dataclass(frozen=True)
-class _Timing:
+class _Timing(NamedTuple):
     """Validated durations of a run."""
 
     wait: float
