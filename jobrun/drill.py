@@ -116,9 +116,9 @@ class _Run:
             self.proc.kill()
             self.proc.wait()
             status = None
-        # WARNING: the child may still hold our pipe open: read only what is there.
-        self.wait_event("", 0.2)
-        if self.proc.stderr is not None:
+        if self.proc.stderr is not None and not self.proc.stderr.closed:
+            # WARNING: the child may still hold our pipe open: read only what is there.
+            self.wait_event("", 0.2)
             self.proc.stderr.close()
         return status
 
