@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrun import supervise
 from jobrun.exitcodes import Exit, LockStoreUnavailable, from_wait_status
@@ -34,6 +35,51 @@ class Job:
     on_db_error: str = "fail"
     on_lock_lost: str = "terminate"
     heartbeat: float = 1.0
+    min_hold: float | None = None
+    once_per: float | None = None
+
+
+class Recorder(Protocol):
+    """Run history and alerts (``jobrun.history``); every method swallows its own failures."""
+
+    def acquired(self, once_per: float | None) -> dict[str, Any] | None:
+        """Mark dead runs abandoned; return an earlier run that makes this one redundant."""
+        ...
+
+    def started(self, child_pid: int | None) -> None:
+        """The child is running."""
+        ...
+
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
+        """The child is done (called while the lock is still held)."""
+        ...
+
+    def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
+        """The run skipped (the lock was held, or an earlier run made it redundant)."""
+        ...
+
+    def exec_failed(self, exit_code: int) -> None:
+        """The command could not be started."""
+        ...
+
+
+class _NoRecorder:
+    """No history: every call does nothing."""
+
+    def acquired(self, once_per: float | None) -> dict[str, Any] | None:  # noqa: ARG002
+        return None
+
+    def started(self, child_pid: int | None) -> None:
+        pass
+
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
+        pass
+
+    def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
+        pass
+
+    def exec_failed(self, exit_code: int) -> None:
+        pass
 
 
 class Interrupted(Exception):
@@ -63,102 +109,145 @@ def run(
     identity: Identity,
     environ: Mapping[str, str],
     log: FilteringBoundLogger,
+    recorder: Recorder | None = None,
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status."""
+    guarded = _GuardedRun(
+        job,
+        lock=lock,
+        identity=identity,
+        environ=environ,
+        log=log,
+        recorder=recorder or _NoRecorder(),
+    )
     try:
         with _interruptible():
-            return _run(job, lock=lock, identity=identity, environ=environ, log=log)
+            return guarded.run()
     except Interrupted as exc:
         log.warning("interrupted", signal=str(exc), child_started=False)
         return 128 + exc.signum
 
 
-def _run(
-    job: Job,
-    *,
-    lock: Lock,
-    identity: Identity,
-    environ: Mapping[str, str],
-    log: FilteringBoundLogger,
-) -> int:
-    try:
-        holder = lock.acquire(job.wait)
-    except LockStoreUnavailable as exc:
-        unguarded = job.on_db_error == "run"
-        log.error(exc.event, reason=exc.reason, error=str(exc), running_unguarded=unguarded)
-        if not unguarded:
-            return exc.exit_code
-        with supervise.signals_held() as child_mask:
-            return _run_child(job, child_mask, identity=identity, environ=environ, log=log)
-    if holder is not None:
-        log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
-        return job.skip_exit_code
-    # From here on, signals wait for the supervisor (or are dropped during the release).
-    with supervise.signals_held() as child_mask:
+class _GuardedRun:
+    """The steps of one run, sharing the job, the lock and the log."""
+
+    def __init__(
+        self,
+        job: Job,
+        *,
+        lock: Lock,
+        identity: Identity,
+        environ: Mapping[str, str],
+        log: FilteringBoundLogger,
+        recorder: Recorder,
+    ) -> None:
+        self.job = job
+        self.lock = lock
+        self.identity = identity
+        self.environ = environ
+        self.log = log
+        self.recorder = recorder
+
+    def run(self) -> int:
+        job, log = self.job, self.log
         try:
-            return _run_child(
-                job,
-                child_mask,
-                identity=identity,
-                environ=environ,
+            holder = self.lock.acquire(job.wait)
+        except LockStoreUnavailable as exc:
+            unguarded = job.on_db_error == "run"
+            log.error(exc.event, reason=exc.reason, error=str(exc), running_unguarded=unguarded)
+            if not unguarded:
+                return exc.exit_code
+            with supervise.signals_held() as child_mask:
+                return self._run_child(child_mask, lock=None, recorder=_NoRecorder())
+        if holder is not None:
+            log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
+            self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
+            return job.skip_exit_code
+        # From here on, signals wait for the supervisor (or are dropped during the release).
+        with supervise.signals_held() as child_mask:
+            try:
+                earlier = self.recorder.acquired(job.once_per)
+                if earlier is not None:
+                    fields = {f"previous_{name}": value for name, value in earlier.items()}
+                    log.info(
+                        "skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields
+                    )
+                    self.recorder.skipped("already_ran", fields, job.skip_exit_code)
+                    return job.skip_exit_code
+                return self._run_child(child_mask, lock=self.lock, recorder=self.recorder)
+            finally:
+                self.lock.release()
+
+    def _run_child(
+        self, child_mask: frozenset[int], *, lock: Lock | None, recorder: Recorder
+    ) -> int:
+        """Spawn and supervise the child under ``lock`` (None: unguarded)."""
+        job, log = self.job, self.log
+        env = child_environment(self.environ, job, self.identity.run_id)
+        supervise.become_subreaper()
+        started = time.monotonic()
+        try:
+            child = supervise.spawn(job.argv, env, child_mask)
+        except supervise.ExecFailed as exc:
+            log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
+            recorder.exec_failed(exc.exit_code)
+            return exc.exit_code
+        log.info("started", command=job.argv[0], child_pid=child.pid, guarded=lock is not None)
+        recorder.started(child.pid)
+        watchdog = None
+        if lock is not None:
+            watchdog = Watchdog(
+                lock,
+                interval=job.heartbeat,
+                confirmed_at=lock.confirmed_at,
+                wake=supervise.wake_main_thread(),
                 log=log,
-                lock=lock,
             )
+            watchdog.start()
+        try:
+            ending = supervise.supervise(
+                child,
+                timeout=job.timeout,
+                kill_after=job.kill_after,
+                watchdog=watchdog,
+                terminate_on_lock_lost=job.on_lock_lost == "terminate",
+                log=log,
+            )
+            outcome, status = _outcome(ending)
+            recorder.finished(outcome, status, ending.signal_name, ending.duration)
+            if lock is not None and job.min_hold and outcome != "lock_lost":
+                _hold(started + job.min_hold, log)
         finally:
-            lock.release()
+            if watchdog is not None:
+                watchdog.stop()
+        _log_finished(ending, outcome, status, log)
+        return status
 
 
-def _run_child(
-    job: Job,
-    child_mask: frozenset[int],
-    *,
-    identity: Identity,
-    environ: Mapping[str, str],
-    log: FilteringBoundLogger,
-    lock: Lock | None = None,
-) -> int:
-    """Spawn and supervise the child under ``lock`` (None: unguarded)."""
-    env = child_environment(environ, job, identity.run_id)
-    supervise.become_subreaper()
-    try:
-        child = supervise.spawn(job.argv, env, child_mask)
-    except supervise.ExecFailed as exc:
-        log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
-        return exc.exit_code
-    log.info("started", command=job.argv[0], child_pid=child.pid, guarded=lock is not None)
-    watchdog = None
-    if lock is not None:
-        watchdog = Watchdog(
-            lock,
-            interval=job.heartbeat,
-            confirmed_at=lock.confirmed_at,
-            wake=supervise.wake_main_thread(),
-            log=log,
-        )
-        watchdog.start()
-    try:
-        ending = supervise.supervise(
-            child,
-            timeout=job.timeout,
-            kill_after=job.kill_after,
-            watchdog=watchdog,
-            terminate_on_lock_lost=job.on_lock_lost == "terminate",
-            log=log,
-        )
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-    return _finish(ending, log)
-
-
-def _finish(ending: supervise.Ending, log: FilteringBoundLogger) -> int:
+def _outcome(ending: supervise.Ending) -> tuple[str, int]:
+    """(outcome, jobrun's exit status) for how the child ended."""
     if ending.stopped_for == "timed_out":
-        outcome, status = "timed_out", int(Exit.TIMED_OUT)
-    elif ending.stopped_for == "lock_lost":
-        outcome, status = "lock_lost", int(Exit.LOCK_LOST)
-    else:
-        status = from_wait_status(ending.returncode)
-        outcome = "succeeded" if status == 0 else "failed"
+        return "timed_out", int(Exit.TIMED_OUT)
+    if ending.stopped_for == "lock_lost":
+        return "lock_lost", int(Exit.LOCK_LOST)
+    status = from_wait_status(ending.returncode)
+    return ("succeeded" if status == 0 else "failed"), status
+
+
+def _hold(until: float, log: FilteringBoundLogger) -> None:
+    """``--min-hold``: keep the lock until ``until`` so hosts with late clocks still skip."""
+    remaining = until - time.monotonic()
+    if remaining <= 0:
+        return
+    log.info("holding", seconds=round(remaining, 3), reason="min_hold")
+    signum = supervise.linger(remaining)
+    if signum is not None:
+        log.info("hold_interrupted", signal=signal.Signals(signum).name)
+
+
+def _log_finished(
+    ending: supervise.Ending, outcome: str, status: int, log: FilteringBoundLogger
+) -> None:
     emit = log.info if outcome == "succeeded" else log.warning if outcome == "failed" else log.error
     emit(
         "finished",
@@ -169,7 +258,6 @@ def _finish(ending: supervise.Ending, log: FilteringBoundLogger) -> int:
         duration=round(ending.duration, 3),
         **({"lock_lost": ending.lost_reason} if ending.lost_reason else {}),
     )
-    return status
 
 
 @contextlib.contextmanager

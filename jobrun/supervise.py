@@ -270,6 +270,16 @@ class _Supervision:
         self.group.send(signal.SIGTERM)
 
 
+def linger(seconds: float) -> int | None:
+    """Sleep ``seconds`` with the child gone; return early with the signal that ends it."""
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        info = signal.sigtimedwait(WAITED, remaining)
+        if info is not None and info.si_signo in FORWARDED:
+            return info.si_signo
+    return None
+
+
 def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) -> None:
     info = signal.sigtimedwait(WAITED, max(0.0, seconds))
     if info is not None and info.si_signo in FORWARDED:
