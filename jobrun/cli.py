@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import click
 from click.core import ParameterSource
 
 from jobrun import __version__, durations, keys
 from jobrun.exitcodes import Exit, JobrunError, UsageError
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun import db, history
+    from jobrun.locks import Identity
 
 _ARGV = "jobrun.argv"
 MODES = ("session", "lease")
@@ -215,6 +221,52 @@ def _db_options(command: Any) -> Any:
     show_default=True,
     help="Lock lost mid-run: stop the child (exit 76) or log and let it finish.",
 )
+@click.option(
+    "--min-hold",
+    envvar="JOBRUN_MIN_HOLD",
+    metavar="DURATION",
+    help="Keep the lock at least this long after the start (hosts with skewed clocks skip).",
+)
+@click.option(
+    "--once-per",
+    envvar="JOBRUN_ONCE_PER",
+    metavar="DURATION",
+    help="Skip (already_ran) if the key already ran in this UTC-aligned window, e.g. 1d.",
+)
+@click.option(
+    "--no-history",
+    envvar="JOBRUN_NO_HISTORY",
+    is_flag=True,
+    help="Do not record runs in jobrun.runs (no streak alerts, no --once-per).",
+)
+@click.option(
+    "--keep",
+    envvar="JOBRUN_KEEP",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="History rows kept per key (older ones are pruned).",
+)
+@click.option(
+    "--alert-after",
+    envvar="JOBRUN_ALERT_AFTER",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Error line (and --on-alert) after N skips or failures in a row; 0 disables.",
+)
+@click.option(
+    "--on-alert",
+    envvar="JOBRUN_ON_ALERT",
+    metavar="CMD",
+    help="Command run on a streak alert (event JSON on stdin and in JOBRUN_ALERT_*).",
+)
+@click.option(
+    "--metrics-file",
+    envvar="JOBRUN_METRICS_FILE",
+    metavar="PATH",
+    help="Prometheus textfile written after each run or skip ({key} is replaced).",
+)
 @_log_options
 @click.pass_context
 def cli(ctx: click.Context, /, **options: Any) -> int | None:
@@ -234,12 +286,14 @@ def cli(ctx: click.Context, /, **options: Any) -> int | None:
     if not argv:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
     dsn_on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
-    return _run(argv, dsn_on_command_line=dsn_on_command_line, **options)
+    return _run(argv, dsn_on_command_line=dsn_on_command_line, argv0=argv[0], **options)
 
 
 class _Timing(NamedTuple):
     """Validated durations of a run."""
 
+    min_hold: float | None
+    once_per: float | None
     wait: float
     timeout: float | None
     kill_after: float
@@ -261,7 +315,14 @@ def _timing(o: dict[str, Any]) -> _Timing:
         from jobrun.locks.lease import timing
 
         heartbeat, lifetime = timing(ttl, kill_after, heartbeat)
+    once_per = _duration(o["once_per"], "--once-per")
+    if once_per is not None and once_per < 1:
+        raise UsageError("--once-per must be at least 1s (it names a window, e.g. 1h or 1d)")
+    if once_per is not None and o["no_history"]:
+        raise UsageError("--once-per needs the run history: drop --no-history")
     return _Timing(
+        min_hold=_duration(o["min_hold"], "--min-hold") or None,
+        once_per=once_per,
         wait=durations.parse(o["wait"], option="--wait"),
         timeout=_duration(o["timeout"], "--timeout") or None,
         kill_after=kill_after,
@@ -309,7 +370,10 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         on_db_error=o["on_db_error"],
         on_lock_lost=o["on_lock_lost"],
         heartbeat=timing.heartbeat,
+        min_hold=timing.min_hold,
+        once_per=timing.once_per,
     )
+    recorder = _recorder(o, target, identity, run_keys, bound)
     lock: Lock
     if o["mode"] == "lease":
         from jobrun.locks import lease
@@ -321,7 +385,44 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         from jobrun.locks import session
 
         lock = session.SessionLock(run_keys, target, identity, bound, heartbeat=timing.heartbeat)
-    return runner.run(job, lock=lock, identity=identity, environ=os.environ, log=bound)
+    try:
+        return runner.run(
+            job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+        )
+    finally:
+        recorder.flush()
+
+
+def _recorder(
+    o: dict[str, Any],
+    target: db.Target,
+    identity: Identity,
+    run_keys: tuple[keys.Key, ...],
+    log: FilteringBoundLogger,
+) -> history.Recorder | history.NullRecorder:
+    """The run's history recorder (a null one with --no-history, which still writes metrics)."""
+    from pathlib import Path
+
+    from jobrun import alerts, history
+
+    config = history.HistoryConfig(
+        keep=o["keep"],
+        alert_after=o["alert_after"],
+        on_alert=alerts.parse_command(o["on_alert"]) if o["on_alert"] else None,
+        metrics_file=o["metrics_file"],
+    )
+    if o["no_history"]:
+        return history.NullRecorder(run_keys, config=config, log=log)
+    return history.Recorder(
+        target,
+        identity,
+        run_keys,
+        mode=o["mode"],
+        program=Path(o["argv0"]).name,
+        config=config,
+        log=log,
+        environ=os.environ,
+    )
 
 
 @cli.command("key")
@@ -402,6 +503,15 @@ def demo_command(dsn: str) -> int:
         return demo.run(dsn, click.echo)
     except throwaway.NoPostgresError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _register_operations() -> None:
+    from jobrun import ops_cli
+
+    ops_cli.register(cli)
+
+
+_register_operations()
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

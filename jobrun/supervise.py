@@ -89,6 +89,9 @@ def signals_held() -> Iterator[frozenset[int]]:
     WARNING: this must happen before the child is spawned and before any thread starts
     (threads inherit the mask, so every such signal is left for the main thread to take).
     """
+    # A wake-up that comes after the supervisor stopped listening must not kill us (the
+    # default action of a real-time signal): ignored, it still queues while blocked.
+    signal.signal(WAKE, signal.SIG_IGN)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
         yield frozenset(old)
@@ -122,6 +125,7 @@ def spawn(
             # signal (PITFALLS 7): check the parent is still the one that forked us.
             if os.getppid() != parent:
                 os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(WAKE, signal.SIG_DFL)  # an ignored signal would stay ignored after exec
         signal.pthread_sigmask(signal.SIG_SETMASK, child_mask)
 
     try:

@@ -487,3 +487,27 @@ class TestSecrets:
         assert result.returncode == 0
         assert "password_on_command_line" not in result.stderr
         assert self.SECRET not in result.stderr
+
+
+class TestInterruptedWhileWaiting:
+    """A signal that arrives before the child starts ends the run cleanly."""
+
+    def test_sigterm_while_waiting_for_the_lock(self, dsn, key, tmp_path):
+        """SIGTERM during --wait: exit 143, an `interrupted` line, no child, no lock left."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            ran = tmp_path / "ran"
+            waiter = jobrun_cli.start(
+                "--key", key, "--wait", "120s", "--", "touch", str(ran), dsn=dsn
+            )
+            wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
+            stderr = jobrun_cli.signal_and_wait(waiter, signal.SIGTERM)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert waiter.returncode == 143, stderr
+        assert event(stderr, "interrupted")["child_started"] is False
+        assert not ran.exists()
+        assert "Traceback" not in stderr
+        wait_until(lambda: advisory_waiters(dsn) == [], what="the waiter's session to end")

@@ -103,9 +103,9 @@ class SessionLock:
                 try:
                     conn.execute(self._comment + sql.LOCK, (key.lock_id,))
                 except errors.LockNotAvailable:
-                    return key
-                finally:
                     conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
+                    return key
+                conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
             self._held.append(key)
         return None
 
