@@ -245,7 +245,7 @@ def _db_options(command: Any) -> Any:
     type=click.IntRange(min=1),
     default=100,
     show_default=True,
-    help="History rows kept per key (older ones are pruned).",
+    help="History kept per key: the newest N finished runs and N skips.",
 )
 @click.option(
     "--alert-after",
@@ -373,7 +373,7 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         min_hold=timing.min_hold,
         once_per=timing.once_per,
     )
-    recorder = _recorder(o, target, identity, run_keys, bound)
+    recorder = _recorder(o, target, identity, run_keys, log=bound, timing=timing)
     lock: Lock
     if o["mode"] == "lease":
         from jobrun.locks import lease
@@ -384,13 +384,17 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     else:
         from jobrun.locks import session
 
-        lock = session.SessionLock(run_keys, target, identity, bound, heartbeat=timing.heartbeat)
-    try:
-        return runner.run(
-            job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+        lock = session.SessionLock(
+            run_keys,
+            target,
+            identity,
+            bound,
+            heartbeat=timing.heartbeat,
+            kill_after=timing.kill_after,
         )
-    finally:
-        recorder.flush()
+    return runner.run(
+        job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+    )
 
 
 def _recorder(
@@ -398,7 +402,9 @@ def _recorder(
     target: db.Target,
     identity: Identity,
     run_keys: tuple[keys.Key, ...],
+    *,
     log: FilteringBoundLogger,
+    timing: _Timing,
 ) -> history.Recorder | history.NullRecorder:
     """The run's history recorder (a null one with --no-history, which still writes metrics)."""
     from pathlib import Path
@@ -410,6 +416,9 @@ def _recorder(
         alert_after=o["alert_after"],
         on_alert=alerts.parse_command(o["on_alert"]) if o["on_alert"] else None,
         metrics_file=o["metrics_file"],
+        # WARNING: history is written while the lock is held and unwatched (right after the
+        # acquisition): in lease mode it must never outlast half of what the lease vouches.
+        timeout=min(5.0, timing.lifetime / 2) if o["mode"] == "lease" else 5.0,
     )
     if o["no_history"]:
         return history.NullRecorder(run_keys, config=config, log=log)

@@ -50,8 +50,19 @@ class Recorder(Protocol):
         """The child is running."""
         ...
 
-    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
-        """The child is done (called while the lock is still held)."""
+    def finished(
+        self,
+        outcome: str,
+        exit_code: int,
+        signal: str | None,
+        duration: float,
+        *,
+        defer_alerts: bool = False,
+    ) -> None:
+        """The child is done; ``defer_alerts`` keeps the alert hook for ``flush``.
+
+        Called while the lock is still held, so the next run never takes us for a dead one.
+        """
         ...
 
     def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
@@ -60,6 +71,10 @@ class Recorder(Protocol):
 
     def exec_failed(self, exit_code: int) -> None:
         """The command could not be started."""
+        ...
+
+    def flush(self) -> None:
+        """Run what was deferred (alert hooks), after the lock is released."""
         ...
 
 
@@ -72,13 +87,24 @@ class _NoRecorder:
     def started(self, child_pid: int | None) -> None:
         pass
 
-    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
+    def finished(
+        self,
+        outcome: str,
+        exit_code: int,
+        signal: str | None,
+        duration: float,
+        *,
+        defer_alerts: bool = False,
+    ) -> None:
         pass
 
     def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
         pass
 
     def exec_failed(self, exit_code: int) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
 
@@ -112,13 +138,9 @@ def run(
     recorder: Recorder | None = None,
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status."""
+    recorder = recorder or _NoRecorder()
     guarded = _GuardedRun(
-        job,
-        lock=lock,
-        identity=identity,
-        environ=environ,
-        log=log,
-        recorder=recorder or _NoRecorder(),
+        job, lock=lock, identity=identity, environ=environ, log=log, recorder=recorder
     )
     try:
         with _interruptible():
@@ -126,6 +148,9 @@ def run(
     except Interrupted as exc:
         log.warning("interrupted", signal=str(exc), child_started=False)
         return 128 + exc.signum
+    finally:
+        # Alert hooks run here, after the release: a slow hook never holds the lock.
+        recorder.flush()
 
 
 class _GuardedRun:
@@ -214,13 +239,16 @@ class _GuardedRun:
                 log=log,
             )
             outcome, status = _outcome(ending)
-            recorder.finished(outcome, status, ending.signal_name, ending.duration)
+            # The line first: the history write may take a few seconds on a bad network.
+            _log_finished(ending, outcome, status, log)
+            recorder.finished(
+                outcome, status, ending.signal_name, ending.duration, defer_alerts=True
+            )
             if lock is not None and job.min_hold and outcome != "lock_lost":
                 _hold(started + job.min_hold, log)
         finally:
             if watchdog is not None:
                 watchdog.stop()
-        _log_finished(ending, outcome, status, log)
         return status
 
 

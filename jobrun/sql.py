@@ -10,6 +10,14 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 SESSION_IMMUNE_14 = "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0"
 SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0"
 
+#: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
+#: them), so the server ends the session of a host that vanished (PITFALLS 3).
+SESSION_SERVER_KEEPALIVES = """
+SELECT set_config('tcp_keepalives_idle', %s, false),
+       set_config('tcp_keepalives_interval', '2', false),
+       set_config('tcp_keepalives_count', '3', false)
+"""
+
 TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
 LOCK = "SELECT pg_advisory_lock(%s)"
 UNLOCK = "SELECT pg_advisory_unlock(%s)"
@@ -101,3 +109,285 @@ WHERE locktype = 'advisory' AND granted AND objsubid = 1
 DRILL_STEAL_LEASE = "UPDATE jobrun.leases SET owner = %s WHERE lock_id = %s"
 
 DRILL_DELETE_LEASE = "DELETE FROM jobrun.leases WHERE lock_id = %s"
+
+# --- run history (issue 4) --------------------------------------------------------------------
+
+#: The run history; history.ensure_schema runs it under the same transaction-scoped lock as SCHEMA.
+#: ``streak`` is what the row extends: a skip, this host's skips in a row by the same holder;
+#: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
+RUNS_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE TABLE IF NOT EXISTS jobrun.runs (
+    run_id       uuid PRIMARY KEY,
+    key          text NOT NULL,
+    lock_ids     bigint[] NOT NULL,
+    mode         text NOT NULL,
+    host         text NOT NULL,
+    pid          integer NOT NULL,
+    child_pid    integer,
+    program      text,
+    started_at   timestamptz NOT NULL,
+    finished_at  timestamptz,
+    outcome      text NOT NULL,
+    reason       text,
+    exit_code    integer,
+    signal       text,
+    duration     double precision,
+    streak       integer NOT NULL DEFAULT 0,
+    streak_since timestamptz,
+    holder_ref   text,
+    holder       jsonb
+);
+CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
+CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
+    WHERE outcome = 'running';
+"""
+
+#: Every history transaction starts with this: a history write must never hold a job up.
+RUNS_LOCAL_TIMEOUTS = """
+SELECT set_config('statement_timeout', %(ms)s, true), set_config('lock_timeout', %(ms)s, true)
+"""
+
+RUNS_NOW = "SELECT clock_timestamp()"
+
+#: Runs still marked running on any of our lock ids are dead: we hold those locks now.
+RUNS_ABANDON = """
+UPDATE jobrun.runs SET outcome = 'abandoned', finished_at = clock_timestamp()
+WHERE outcome = 'running' AND lock_ids && %(lock_ids)s::int8[] AND run_id <> %(run_id)s
+RETURNING run_id, key, host, pid, started_at
+"""
+
+#: ``--once-per``: a run of this key that started in the current window, aligned to the Unix
+#: epoch on the database's clock, and is running or succeeded.
+RUNS_ALREADY_RAN = """
+SELECT run_id, host, pid, started_at, outcome, w.start
+FROM jobrun.runs,
+     (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
+                                / %(window)s::float8) * %(window)s::float8) AS start) AS w
+WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
+  AND started_at >= w.start
+ORDER BY started_at DESC
+LIMIT 1
+"""
+
+RUNS_START = """
+INSERT INTO jobrun.runs
+    (run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, outcome)
+VALUES (%(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(child_pid)s,
+        %(program)s, coalesce(%(started_at)s::timestamptz, clock_timestamp()), 'running')
+ON CONFLICT (run_id) DO UPDATE SET child_pid = excluded.child_pid
+"""
+
+#: The run of this key that finished last (a success or a failure), for the failure streak:
+#: ordered by the end, so a run that ended late (a frozen lease holder) counts where it ended.
+RUNS_PREVIOUS_FINISHED = """
+SELECT outcome, streak, streak_since FROM jobrun.runs
+WHERE key = %(key)s AND run_id <> %(run_id)s
+  AND outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost', 'exec_failed')
+ORDER BY finished_at DESC
+LIMIT 1
+"""
+
+#: Record how a run ended; inserts the row if its start was never recorded (a failed write).
+RUNS_FINISH = """
+INSERT INTO jobrun.runs AS r
+    (run_id, key, lock_ids, mode, host, pid, program, started_at, finished_at, outcome,
+     exit_code, signal, duration, streak, streak_since)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s, s.at,
+       clock_timestamp(), %(outcome)s, %(exit_code)s, %(signal)s, %(duration)s, %(streak)s,
+       CASE WHEN %(streak)s > 0 THEN coalesce(%(streak_since)s::timestamptz, s.at) END
+FROM (SELECT coalesce(%(started_at)s::timestamptz,
+                      clock_timestamp() - make_interval(secs => %(duration)s)) AS at) AS s
+ON CONFLICT (run_id) DO UPDATE
+    SET finished_at = excluded.finished_at, outcome = excluded.outcome,
+        exit_code = excluded.exit_code, signal = excluded.signal, duration = excluded.duration,
+        streak = excluded.streak,
+        streak_since = CASE WHEN excluded.streak > 0
+                            THEN coalesce(%(streak_since)s::timestamptz, r.started_at) END
+RETURNING streak, streak_since
+"""
+
+#: Skips of this key by the same holder: this host's longest chain, and anyone's.
+RUNS_SKIP_CHAIN = """
+SELECT max(streak) FILTER (WHERE host = %(host)s),
+       min(streak_since) FILTER (WHERE host = %(host)s),
+       max(streak)
+FROM jobrun.runs
+WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
+"""
+
+RUNS_SKIP = """
+INSERT INTO jobrun.runs AS r
+    (run_id, key, lock_ids, mode, host, pid, program, started_at, finished_at, outcome, reason,
+     exit_code, duration, streak, streak_since, holder_ref, holder)
+VALUES (%(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
+        clock_timestamp(), clock_timestamp(), 'skipped', %(reason)s, %(exit_code)s,
+        %(duration)s, %(streak)s,
+        CASE WHEN %(streak)s > 0 THEN coalesce(%(streak_since)s::timestamptz, clock_timestamp())
+        END,
+        %(holder_ref)s, %(holder)s)
+ON CONFLICT (run_id) DO UPDATE
+    SET finished_at = excluded.finished_at, outcome = excluded.outcome, reason = excluded.reason,
+        exit_code = excluded.exit_code, duration = excluded.duration, streak = excluded.streak,
+        streak_since = excluded.streak_since, holder_ref = excluded.holder_ref,
+        holder = excluded.holder
+RETURNING streak, streak_since
+"""
+
+#: Keep the newest N finished runs and the newest N skips of a key; running rows stay.
+#: SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks.
+RUNS_PRUNE = """
+DELETE FROM jobrun.runs WHERE run_id IN (
+    SELECT run_id FROM jobrun.runs
+    WHERE run_id IN (
+        SELECT ranked.run_id FROM (
+            SELECT run_id,
+                   row_number() OVER (PARTITION BY outcome = 'skipped'
+                                      ORDER BY started_at DESC) AS n
+            FROM jobrun.runs
+            WHERE key = %(key)s AND outcome <> 'running'
+        ) AS ranked
+        WHERE ranked.n > %(keep)s
+    )
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+#: ``jobrun history KEY``.
+RUNS_OF_KEY = """
+SELECT run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at,
+       outcome, reason, exit_code, signal, duration, streak, holder
+FROM jobrun.runs
+WHERE key = %(key)s
+ORDER BY started_at DESC
+LIMIT %(limit)s
+"""
+
+# --- status -----------------------------------------------------------------------------------
+
+#: Every granted bigint advisory lock in this database, with whoever holds it.
+STATUS_ADVISORY_LOCKS = """
+SELECT (l.classid::int8 << 32) | l.objid::int8, l.pid, host(a.client_addr), a.application_name,
+       a.backend_start, a.query
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ORDER BY 1
+"""
+
+STATUS_LEASES = """
+SELECT lock_id, key, owner, host, pid, acquired_at, expires_at
+FROM jobrun.leases
+WHERE expires_at > clock_timestamp()
+ORDER BY lock_id
+"""
+
+#: One row per key of the history (all keys, or those asked for): the last finished run,
+#: the last success, the typical (median of the last 20 successful) duration, the streaks.
+STATUS_HISTORY = """
+SELECT k.key,
+       (SELECT lock_ids FROM jobrun.runs AS x WHERE x.key = k.key
+        ORDER BY x.started_at DESC LIMIT 1),
+       last.outcome, last.exit_code, last.started_at, last.finished_at, last.duration,
+       (SELECT max(x.finished_at) FROM jobrun.runs AS x
+        WHERE x.key = k.key AND x.outcome = 'succeeded'),
+       (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d.duration)
+        FROM (SELECT x.duration FROM jobrun.runs AS x
+              WHERE x.key = k.key AND x.outcome = 'succeeded' AND x.duration IS NOT NULL
+              ORDER BY x.started_at DESC LIMIT 20) AS d),
+       coalesce((SELECT max(x.streak) FROM jobrun.runs AS x
+                 WHERE x.key = k.key AND x.outcome = 'skipped'
+                   AND x.started_at > coalesce((SELECT max(y.started_at) FROM jobrun.runs AS y
+                                                WHERE y.key = k.key AND y.outcome <> 'skipped'),
+                                               '-infinity')), 0),
+       coalesce((SELECT CASE WHEN x.outcome = 'succeeded' THEN 0 ELSE x.streak END
+                 FROM jobrun.runs AS x
+                 WHERE x.key = k.key
+                   AND x.outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost',
+                                     'exec_failed')
+                 ORDER BY x.finished_at DESC LIMIT 1), 0),
+       (SELECT max(x.started_at) FROM jobrun.runs AS x
+        WHERE x.key = k.key AND x.outcome = 'skipped')
+FROM (SELECT DISTINCT key FROM jobrun.runs WHERE %(all)s OR key = ANY(%(keys)s::text[])) AS k
+LEFT JOIN LATERAL (
+    SELECT x.outcome, x.exit_code, x.started_at, x.finished_at, x.duration
+    FROM jobrun.runs AS x
+    WHERE x.key = k.key AND x.outcome NOT IN ('running', 'skipped')
+    ORDER BY x.finished_at DESC NULLS LAST LIMIT 1
+) AS last ON true
+ORDER BY k.key
+"""
+
+# --- doctor -----------------------------------------------------------------------------------
+
+DOCTOR_SERVER = "SELECT current_setting('server_version'), current_setting('server_version_num')"
+
+DOCTOR_ROLE = """
+SELECT current_user, r.rolsuper,
+       pg_has_role(current_user, 'pg_signal_backend', 'MEMBER'),
+       pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER')
+FROM pg_roles AS r WHERE r.rolname = current_user
+"""
+
+#: Whether the jobrun schema exists, and what this role may do about it.
+DOCTOR_SCHEMA = """
+SELECT n.oid IS NOT NULL,
+       has_database_privilege(current_database(), 'CREATE'),
+       CASE WHEN n.oid IS NOT NULL THEN has_schema_privilege(n.oid, 'USAGE') END,
+       CASE WHEN n.oid IS NOT NULL THEN has_schema_privilege(n.oid, 'CREATE') END
+FROM (SELECT 1) AS one LEFT JOIN pg_namespace AS n ON n.nspname = 'jobrun'
+"""
+
+#: One jobrun table: does it exist, and which of SELECT/INSERT/UPDATE/DELETE may we use.
+DOCTOR_TABLE = """
+SELECT c.oid IS NOT NULL,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'SELECT') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'INSERT') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'UPDATE') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'DELETE') END
+FROM (SELECT 1) AS one
+LEFT JOIN (pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace)
+    ON n.nspname = 'jobrun' AND c.relname = %(table)s AND c.relkind IN ('r', 'p')
+"""
+
+#: Settings as a fresh session sees them (server file, ALTER DATABASE / ROLE ... SET).
+DOCTOR_SETTINGS = """
+SELECT name, setting, unit, current_setting(name) FROM pg_settings WHERE name = ANY(%(names)s)
+"""
+
+#: Whether we came over TCP (server-side keepalives apply) or a Unix-domain socket.
+DOCTOR_OVER_TCP = "SELECT inet_server_addr() IS NOT NULL"
+
+DOCTOR_CONNECTIONS = """
+SELECT current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int,
+       coalesce(current_setting('reserved_connections', true), '0')::int,
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')
+"""
+
+DOCTOR_LOCK_CAPACITY = """
+SELECT current_setting('max_locks_per_transaction')::int8
+       * (current_setting('max_connections')::int8
+          + current_setting('max_prepared_transactions')::int8)
+"""
+
+#: Advisory locks held now: in the whole cluster (they share the lock table), in this
+#: database, and in this database by jobrun's lock sessions.
+DOCTOR_ADVISORY = """
+SELECT count(*),
+       count(*) FILTER (WHERE l.database = d.oid),
+       count(*) FILTER (WHERE l.database = d.oid AND a.application_name LIKE 'jobrun:%')
+FROM pg_locks AS l
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+CROSS JOIN (SELECT oid FROM pg_database WHERE datname = current_database()) AS d
+WHERE l.locktype = 'advisory' AND l.granted
+"""
+
+# --- history transactions -------------------------------------------------------------------
+
+#: History transactions are opened and closed by hand: a connection cut on purpose (a silent
+#: network) is then simply closed, where psycopg's transaction block would try to roll back
+#: and log a non-JSON warning line on stderr.
+BEGIN = "BEGIN"
+COMMIT = "COMMIT"
+ROLLBACK = "ROLLBACK"

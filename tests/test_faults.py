@@ -11,8 +11,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import structlog
 
-from jobrun import keys
+from jobrun import db, keys
+from jobrun.locks import Identity, new_run_id
+from jobrun.locks.session import SessionLock
 from support import jobrun_cli
 from support.jobrun_cli import event, wait_for_file, wait_until
 
@@ -356,3 +359,38 @@ class TestLeaseBasics:
 def test_threads_are_not_left_behind() -> None:
     """Guard for this module: no test left a helper thread running."""
     assert [t.name for t in threading.enumerate() if t.name.startswith("jobrun")] == []
+
+
+class TestSessionSettings:
+    """What the lock session sets on the server for itself."""
+
+    def test_server_side_keepalives_outlast_our_own_kill_deadline(self, dsn, key):
+        """The server drops a vanished host's session, but only after we would have killed
+        the child: keepalive idle > confirmation lifetime + kill-after."""
+        lock = SessionLock(
+            (keys.from_name(key),),
+            db.Target(dsn=dsn),
+            Identity(run_id=new_run_id(), pid=1),
+            structlog.get_logger(),
+            kill_after=7.0,
+        )
+        assert lock.acquire(0) is None
+        try:
+            conn = lock._conn  # noqa: SLF001 - the session's own settings are only visible on it
+            assert conn is not None
+            shown = {
+                name: conn.execute(f"SHOW {name}").fetchone()[0]
+                for name in (
+                    "tcp_keepalives_idle",
+                    "tcp_keepalives_interval",
+                    "tcp_keepalives_count",
+                    "idle_session_timeout",
+                    "idle_in_transaction_session_timeout",
+                )
+            }
+        finally:
+            lock.release()
+        if shown["tcp_keepalives_idle"] != "0":  # 0 on a unix socket: nothing to set there
+            assert int(shown["tcp_keepalives_idle"].rstrip("s")) > lock.confirmation_lifetime + 7
+        assert shown["idle_session_timeout"] == "0"
+        assert shown["idle_in_transaction_session_timeout"] == "0"

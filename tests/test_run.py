@@ -248,11 +248,11 @@ class TestSeveralKeys:
         low, high = self.two_keys()
         marker = tmp_path / "holder"
         holder = jobrun_cli.start("--key", high, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        wait_for_file(marker)  # the holder first, or the waiter could take both keys at once
         waiter = jobrun_cli.start(
             "--key", high, "--key", low, "--wait", "60s", "--", "true", dsn=dsn
         )
         try:
-            wait_for_file(marker)
             wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
             assert len(advisory_holders(dsn, low)) == 1
             lower_only = jobrun_cli.run("--key", low, "--", "true", dsn=dsn)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import select
@@ -40,9 +41,14 @@ class SessionLock:
         log: FilteringBoundLogger,
         *,
         heartbeat: float = 1.0,
+        kill_after: float = 10.0,
     ) -> None:
         # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
         self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
+        # WARNING: the server must notice a vanished host (else the lock stays ~2 h with the
+        # OS defaults: PITFALLS 3), but only after we would have SIGKILLed the child on our
+        # side of a partition: its keepalives start after lifetime + kill-after + slack.
+        self._server_keepalive_idle = math.ceil(self.confirmation_lifetime + kill_after + 5)
         self._keys = keys
         self._target = target
         self._log = log
@@ -74,6 +80,7 @@ class SessionLock:
                     if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
                     else sql.SESSION_IMMUNE
                 )
+                conn.execute(sql.SESSION_SERVER_KEEPALIVES, (str(self._server_keepalive_idle),))
                 pooler = db.detect_transaction_pooler(conn, self._target, app_name=self._app_name)
             if pooler:
                 _refuse_pooler(pooler)

@@ -1,0 +1,124 @@
+"""The ``--on-alert`` hook: the event as JSON on its stdin and in JOBRUN_ALERT_* variables."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+from jobrun.exitcodes import UsageError, from_wait_status
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from structlog.typing import FilteringBoundLogger
+
+#: How much of a failed hook's stderr goes into the ``alert_failed`` line.
+STDERR_TAIL = 300
+ENV_PREFIX = "JOBRUN_ALERT_"
+
+
+def parse_command(text: str) -> tuple[str, ...]:
+    """``--on-alert`` as an argv (shell-style quoting, no shell), or UsageError."""
+    try:
+        argv = tuple(shlex.split(text))
+    except ValueError as exc:
+        raise UsageError(f"--on-alert {text!r}: {exc}") from None
+    if not argv:
+        raise UsageError(
+            "--on-alert is empty: give a command, e.g. --on-alert '/usr/local/bin/page'"
+        )
+    return argv
+
+
+def environment(event: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` plus ``JOBRUN_ALERT_<FIELD>`` for every known field of ``event``.
+
+    Lists become comma-joined; unknown (None) fields are left out rather than set empty.
+    """
+    env = {name: value for name, value in environ.items() if not name.startswith(ENV_PREFIX)}
+    for name, value in event.items():
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            text = ",".join(str(item) for item in value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(value)
+        env[ENV_PREFIX + name.upper()] = text
+    return env
+
+
+def deliver(
+    argv: tuple[str, ...],
+    event: Mapping[str, object],
+    *,
+    timeout: float,
+    log: FilteringBoundLogger,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Run the hook for ``event``; log ``alert_sent`` or ``alert_failed``; never raise.
+
+    The hook gets its own session (so a timeout kills everything it started), stdout
+    discarded (jobrun's stderr carries event lines only) and stderr captured for the log.
+    """
+    name = str(event.get("event"))
+    payload = (json.dumps(event, default=str, ensure_ascii=True) + "\n").encode()
+    env = environment(event, os.environ if environ is None else environ)
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            # WARNING: the runner blocks the signals it waits for, and a blocked mask is
+            # inherited across exec; the hook must be killable like any other program.
+            preexec_fn=_unblock_signals,  # noqa: PLW1509 - only resets the signal mask
+        )
+    except OSError as exc:
+        log.warning(
+            "alert_failed", alert=name, reason="cannot_execute", command=argv[0], error=exc.strerror
+        )
+        return False
+    try:
+        _, stderr = proc.communicate(payload, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        # Not communicate(): something that left the group may still hold the pipe open.
+        for pipe in (proc.stdin, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        log.warning(
+            "alert_failed", alert=name, reason="timed_out", command=argv[0], timeout=timeout
+        )
+        return False
+    duration = round(time.monotonic() - started, 3)
+    if proc.returncode != 0:
+        log.warning(
+            "alert_failed",
+            alert=name,
+            reason="exit_status",
+            command=argv[0],
+            exit_code=from_wait_status(proc.returncode),
+            stderr=stderr.decode("utf-8", "replace")[-STDERR_TAIL:].strip(),
+            duration=duration,
+        )
+        return False
+    log.info("alert_sent", alert=name, command=argv[0], duration=duration)
+    return True
+
+
+def _unblock_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())

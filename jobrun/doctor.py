@@ -1,0 +1,291 @@
+"""``jobrun doctor``: check the database, role, settings and capacity a run depends on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from jobrun import db, sql
+from jobrun.exitcodes import JobrunError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    Connection = psycopg.Connection[tuple[Any, ...]]
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+#: Oldest server jobrun is tested against.
+MIN_TESTED_VERSION = 120000
+#: A vanished client's session (and its advisory locks) should be dropped within this.
+KEEPALIVE_BUDGET = 300
+#: Below this many free connection slots, a burst of jobs may be refused.
+MIN_FREE_CONNECTIONS = 5
+#: Advisory locks share the lock table with every other lock (PITFALLS 12).
+LOCK_TABLE_WARN = 0.5
+LOCK_TABLE_FAIL = 0.9
+_PERCENT = 100
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of the report."""
+
+    status: str  # OK, WARN or FAIL
+    check: str
+    detail: str
+
+    def as_json(self) -> dict[str, str]:
+        """``{"check": ..., "status": ..., "detail": ...}``."""
+        return {"check": self.check, "status": self.status, "detail": self.detail}
+
+
+def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]:
+    """Every check, in order; a check that cannot run is a WARN saying why."""
+    checks: tuple[tuple[str, Callable[[], Iterable[Finding]]], ...] = (
+        ("connection", lambda: [_connection(conn, target)]),
+        ("server", lambda: [_server(conn)]),
+        ("role", lambda: [_role(conn)]),
+        ("schema", lambda: _schema(conn, mode)),
+        ("pooler", lambda: [_pooler(conn, target, mode)]),
+        ("idle timeouts", lambda: _idle_timeouts(conn)),
+        ("tcp keepalives", lambda: [_keepalives(conn, mode)]),
+        ("connections", lambda: [_connections(conn)]),
+        ("advisory locks", lambda: _advisory(conn)),
+    )
+    findings: list[Finding] = []
+    for name, check in checks:
+        try:
+            findings.extend(check())
+        except (psycopg.Error, JobrunError) as exc:  # noqa: PERF203 - nine checks, not a hot loop
+            error = db.one_line(exc, target)
+            findings.append(Finding(WARN, name, f"could not check: {error}"))
+    return findings
+
+
+def exit_status(findings: Iterable[Finding]) -> int:
+    """0 when nothing FAILs, else 1."""
+    return 1 if any(finding.status == FAIL for finding in findings) else 0
+
+
+def report(findings: Iterable[Finding]) -> str:
+    """``STATUS  CHECK  DETAIL`` lines, aligned."""
+    rows = list(findings)
+    width = max((len(row.check) for row in rows), default=0)
+    return "\n".join(f"{row.status:<4}  {row.check:<{width}}  {row.detail}" for row in rows)
+
+
+def _one(conn: Connection, query: str, params: dict[str, object] | None = None) -> tuple[Any, ...]:
+    row = conn.execute(query, params).fetchone()
+    if row is None:  # pragma: no cover - every doctor query returns one row
+        raise psycopg.DataError("no row")
+    return row
+
+
+def _connection(conn: Connection, target: db.Target) -> Finding:
+    return Finding(OK, "connection", f"{db.describe(target)} as {conn.info.user}")
+
+
+def _server(conn: Connection) -> Finding:
+    version, number = _one(conn, sql.DOCTOR_SERVER)
+    if int(number) < MIN_TESTED_VERSION:
+        return Finding(WARN, "server", f"PostgreSQL {version}: older than 12, untested")
+    return Finding(OK, "server", f"PostgreSQL {version}")
+
+
+def _role(conn: Connection) -> Finding:
+    user, superuser, signal_backend, read_all_stats = _one(conn, sql.DOCTOR_ROLE)
+    sees = (
+        "sees every session's query (a skip names the holder's host, pid and run id)"
+        if superuser or read_all_stats
+        else "sees other roles' sessions without their queries (a skip names a holder of "
+        "another role by backend pid only; grant pg_read_all_stats to see more)"
+    )
+    if superuser:
+        return Finding(
+            WARN,
+            "role",
+            f"{user} is a superuser: jobrun needs only CONNECT (and CREATE on the database "
+            f"once); use a dedicated role; {sees}",
+        )
+    signals = (
+        "; member of pg_signal_backend: can terminate other sessions and break their locks"
+        if signal_backend
+        else ""
+    )
+    return Finding(OK, "role", f"{user}, not a superuser{signals}; {sees}")
+
+
+def _schema(conn: Connection, mode: str) -> list[Finding]:
+    """The jobrun schema and its tables: there, or creatable, and usable by this role."""
+    exists, create_in_db, usage, create_in_schema = _one(conn, sql.DOCTOR_SCHEMA)
+    lease_needed = FAIL if mode == "lease" else WARN
+    if not exists:
+        if create_in_db:
+            return [Finding(OK, "schema", "jobrun schema not there yet; created on first use")]
+        return [
+            Finding(
+                lease_needed,
+                "schema",
+                "jobrun schema missing and this role may not create it (no CREATE on the "
+                "database): lease mode cannot work and run history is not kept; have an "
+                "owner run CREATE SCHEMA jobrun AUTHORIZATION <role>, or GRANT CREATE",
+            )
+        ]
+    if not usage:
+        return [
+            Finding(
+                lease_needed,
+                "schema",
+                "jobrun schema exists but this role lacks USAGE on it: GRANT USAGE ON SCHEMA "
+                "jobrun TO <role>",
+            )
+        ]
+    findings = [Finding(OK, "schema", "jobrun schema exists")]
+    for table, purpose, severity in (
+        ("leases", "lease mode", lease_needed if mode == "lease" else OK),
+        ("runs", "run history", WARN),
+    ):
+        present, *privileges = _one(conn, sql.DOCTOR_TABLE, {"table": table})
+        name = f"jobrun.{table}"
+        if not present:
+            if create_in_schema:
+                findings.append(Finding(OK, name, "not there yet; created on first use"))
+            else:
+                findings.append(
+                    Finding(
+                        severity,
+                        name,
+                        f"missing, and this role may not create it: {purpose} will not work",
+                    )
+                )
+            continue
+        missing = [
+            verb
+            for verb, granted in zip(
+                ("SELECT", "INSERT", "UPDATE", "DELETE"), privileges, strict=True
+            )
+            if not granted
+        ]
+        if missing:
+            note = "" if severity != OK else " (not used in session mode)"
+            findings.append(
+                Finding(
+                    severity,
+                    name,
+                    f"exists; this role lacks {', '.join(missing)}: {purpose} will fail{note}",
+                )
+            )
+        else:
+            findings.append(Finding(OK, name, "exists; SELECT, INSERT, UPDATE, DELETE granted"))
+    return findings
+
+
+def _pooler(conn: Connection, target: db.Target, mode: str) -> Finding:
+    why = db.detect_transaction_pooler(conn, target, app_name="jobrun-doctor")
+    if why is None:
+        return Finding(OK, "pooler", "no transaction pooler in the way")
+    if mode == "lease":
+        return Finding(OK, "pooler", f"transaction pooler detected ({why}): fine for lease mode")
+    return Finding(
+        FAIL,
+        "pooler",
+        f"transaction pooler detected ({why}): session locks would be stranded; connect "
+        "directly (or through a session-mode pooler), or use --mode lease",
+    )
+
+
+def _settings(conn: Connection, names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """Each setting this server knows, by name: (raw value, as SHOW prints it)."""
+    rows = conn.execute(sql.DOCTOR_SETTINGS, {"names": list(names)}).fetchall()
+    return {str(name): (str(setting), str(shown)) for name, setting, _unit, shown in rows}
+
+
+def _idle_timeouts(conn: Connection) -> list[Finding]:
+    """Idle timeouts as a fresh session sees them (server, ALTER DATABASE/ROLE ... SET)."""
+    names = ("idle_in_transaction_session_timeout", "idle_session_timeout")
+    settings = _settings(conn, names)
+    findings = []
+    for name in names:
+        if name not in settings:
+            findings.append(Finding(OK, name, "not in this server version"))
+            continue
+        setting, shown = settings[name]
+        if setting == "0":
+            findings.append(Finding(OK, name, "0 (off)"))
+        else:
+            # WARNING: this is only harmless because the lock session sets both to 0 for
+            # itself; anything that holds a session lock without doing so would lose it.
+            findings.append(
+                Finding(
+                    OK,
+                    name,
+                    f"{shown} for new sessions: jobrun's lock session sets it to 0 for itself "
+                    "(the job's own sessions are still subject to it)",
+                )
+            )
+    return findings
+
+
+def _keepalives(conn: Connection, mode: str) -> Finding:
+    """How long the server keeps the session (and its locks) of a client that vanished."""
+    over_tcp = _one(conn, sql.DOCTOR_OVER_TCP)[0]
+    if not over_tcp:
+        return Finding(OK, "tcp keepalives", "Unix-domain socket: not applicable")
+    names = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count")
+    settings = _settings(conn, names)
+    idle, interval, count = (int(settings.get(name, ("0", ""))[0] or 0) for name in names)
+    # 0 means "the operating system's default"; over TCP the server reports the socket's
+    # actual value, so a 0 left here means it could not tell: assume Linux's 2 hours.
+    idle = idle or 7200
+    budget = idle + interval * count
+    detail = (
+        f"server drops a vanished client after about {budget}s "
+        f"(tcp_keepalives_idle={idle}, interval={interval}, count={count})"
+    )
+    if budget <= KEEPALIVE_BUDGET:
+        return Finding(OK, "tcp keepalives", detail)
+    if mode == "lease":
+        return Finding(OK, "tcp keepalives", f"{detail}; lease mode does not depend on it")
+    return Finding(
+        WARN,
+        "tcp keepalives",
+        f"{detail}: the session lock of a host that vanished stays held that long; set "
+        "tcp_keepalives_idle=60, tcp_keepalives_interval=10, tcp_keepalives_count=6 on the "
+        "server (postgresql.conf or ALTER ROLE ... SET)",
+    )
+
+
+def _connections(conn: Connection) -> Finding:
+    max_connections, superuser_reserved, reserved, in_use = _one(conn, sql.DOCTOR_CONNECTIONS)
+    usable = int(max_connections) - int(superuser_reserved) - int(reserved)
+    free = usable - int(in_use)
+    detail = (
+        f"{in_use} of {max_connections} in use, {superuser_reserved + reserved} reserved, "
+        f"{free} free (a session-mode run holds one for its whole run)"
+    )
+    if free <= 0:
+        return Finding(FAIL, "connections", f"{detail}: new runs will be refused")
+    if free < max(MIN_FREE_CONNECTIONS, usable // 10):
+        return Finding(WARN, "connections", f"{detail}: little headroom")
+    return Finding(OK, "connections", detail)
+
+
+def _advisory(conn: Connection) -> list[Finding]:
+    capacity = int(_one(conn, sql.DOCTOR_LOCK_CAPACITY)[0])
+    cluster, here, by_jobrun = (int(value) for value in _one(conn, sql.DOCTOR_ADVISORY))
+    held = Finding(
+        OK,
+        "advisory locks",
+        f"{here} held in this database now, {by_jobrun} of them by jobrun sessions; "
+        f"{cluster} in the whole cluster",
+    )
+    share = cluster / capacity if capacity else 1.0
+    detail = (
+        f"room for about {capacity} locks (max_locks_per_transaction x (max_connections + "
+        f"max_prepared_transactions)), shared by every lock; advisory locks take "
+        f"{share * _PERCENT:.1f}%"
+    )
+    status = FAIL if share >= LOCK_TABLE_FAIL else WARN if share >= LOCK_TABLE_WARN else OK
+    return [held, Finding(status, "lock table", detail)]

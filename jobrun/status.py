@@ -1,0 +1,396 @@
+"""``jobrun status`` and ``jobrun history``: what is held right now, and how runs went."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors
+
+from jobrun import keys, sql
+from jobrun.durations import format_seconds
+from jobrun.history import iso
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    Connection = psycopg.Connection[tuple[Any, ...]]
+
+_ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
+_LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
+_APP_PREFIX = "jobrun:"
+#: Run ids are UUIDs; the table shows their first 8 characters (``--json`` has them whole).
+_SHORT_RUN_ID = 8
+#: History statements of ``status``/``history`` give up after this long.
+_STATEMENT_TIMEOUT_MS = "30000"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock right now, as far as the database shows it."""
+
+    mode: str  # "session" (advisory lock) or "lease"
+    host: str | None = None
+    pid: int | None = None
+    run_id: str | None = None
+    since: str | None = None
+    backend_pid: int | None = None
+    client_addr: str | None = None
+    application_name: str | None = None
+    expires_at: str | None = None
+
+
+@dataclass
+class KeyStatus:
+    """One row of ``jobrun status``; ``as_json`` is the documented machine form."""
+
+    key: str
+    lock_ids: list[int]
+    holder: Holder | None = None
+    last_outcome: str | None = None
+    last_exit_code: int | None = None
+    last_started_at: str | None = None
+    last_finished_at: str | None = None
+    last_duration: float | None = None
+    last_success_at: str | None = None
+    typical_duration: float | None = None
+    skip_streak: int = 0
+    failure_streak: int = 0
+    last_skip_at: str | None = None
+    extra_lock_ids: list[int] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, object]:
+        """The stable JSON object (see docs/operations.md for every field)."""
+        return {
+            "key": self.key,
+            "lock_ids": self.lock_ids,
+            "held": self.holder is not None,
+            "holder": None if self.holder is None else vars(self.holder).copy(),
+            "last_outcome": self.last_outcome,
+            "last_exit_code": self.last_exit_code,
+            "last_started_at": self.last_started_at,
+            "last_finished_at": self.last_finished_at,
+            "last_duration": self.last_duration,
+            "last_success_at": self.last_success_at,
+            "typical_duration": self.typical_duration,
+            "skip_streak": self.skip_streak,
+            "failure_streak": self.failure_streak,
+            "last_skip_at": self.last_skip_at,
+        }
+
+
+@dataclass(frozen=True)
+class Report:
+    """What ``collect`` found, and what it could not look at (said once, on stderr)."""
+
+    keys: list[KeyStatus]
+    notes: list[str]
+
+
+def lock_ids_of(label: str) -> list[int]:
+    """The lock id of a key label the history does not know: ``lock-id:N`` or a key name."""
+    match = _LOCK_ID_LABEL.fullmatch(label)
+    if match:
+        return [int(match.group(1))]
+    return [keys.lock_id_for(label)]
+
+
+def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
+    """Status of ``labels``, or of every key in history, leased or held by a jobrun session."""
+    notes: list[str] = []
+    history = _history(conn, labels, notes)
+    leases = _leases(conn, notes)
+    advisory = _advisory(conn)
+    rows: dict[str, KeyStatus] = {}
+    for label in labels or history:
+        found = history.get(label)
+        rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
+    if not labels:
+        _add_unknown_holders(rows, leases, advisory)
+    for row in rows.values():
+        for lock_id in sorted(row.lock_ids):
+            holder = leases.get(lock_id, (None, None))[1] or advisory.get(lock_id, (None, None))[1]
+            if holder is not None:
+                row.holder = holder
+                break
+    ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
+    return Report(keys=ordered, notes=notes)
+
+
+def _add_unknown_holders(
+    rows: dict[str, KeyStatus],
+    leases: dict[int, tuple[str | None, Holder]],
+    advisory: dict[int, tuple[str | None, Holder]],
+) -> None:
+    """Held locks that no history key covers get a row of their own."""
+    covered = {lock_id for row in rows.values() for lock_id in row.lock_ids}
+    for lock_id, (label, _) in sorted({**advisory, **leases}.items()):
+        if lock_id in covered or label is None:
+            continue
+        row = rows.setdefault(label, KeyStatus(label, []))
+        row.lock_ids.append(lock_id)
+        covered.add(lock_id)
+
+
+def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, KeyStatus]:
+    params = {"all": not labels, "keys": list(labels)}
+    try:
+        with conn.transaction():
+            conn.execute(sql.RUNS_LOCAL_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
+            rows = conn.execute(sql.STATUS_HISTORY, params).fetchall()
+    except errors.UndefinedTable:
+        notes.append("no run history yet (the jobrun.runs table does not exist)")
+        return {}
+    except errors.InsufficientPrivilege as exc:
+        notes.append(f"run history not readable: {' '.join(str(exc).split())}")
+        return {}
+    found: dict[str, KeyStatus] = {}
+    for row in rows:
+        (label, lock_ids, outcome, exit_code, started, finished, duration, success) = row[:8]
+        typical, skip_streak, failure_streak, last_skip = row[8:]
+        found[label] = KeyStatus(
+            key=label,
+            lock_ids=[int(lock_id) for lock_id in lock_ids or []] or lock_ids_of(label),
+            last_outcome=outcome,
+            last_exit_code=exit_code,
+            last_started_at=iso(started),
+            last_finished_at=iso(finished),
+            last_duration=_seconds(duration),
+            last_success_at=iso(success),
+            typical_duration=_seconds(typical),
+            skip_streak=int(skip_streak or 0),
+            failure_streak=int(failure_streak or 0),
+            last_skip_at=iso(last_skip),
+        )
+    return found
+
+
+def _leases(conn: Connection, notes: list[str]) -> dict[int, tuple[str | None, Holder]]:
+    """Unexpired leases by lock id, with the key label each was taken under."""
+    try:
+        with conn.transaction():
+            rows = conn.execute(sql.STATUS_LEASES).fetchall()
+    except errors.UndefinedTable:
+        return {}
+    except errors.InsufficientPrivilege as exc:
+        notes.append(f"leases not readable: {' '.join(str(exc).split())}")
+        return {}
+    return {
+        int(lock_id): (
+            str(label),
+            Holder(
+                mode="lease",
+                host=host,
+                pid=pid,
+                run_id=str(owner),
+                since=iso(acquired_at),
+                expires_at=iso(expires_at),
+            ),
+        )
+        for lock_id, label, owner, host, pid, acquired_at, expires_at in rows
+    }
+
+
+def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
+    """Granted advisory locks by lock id; the label is known for jobrun sessions only."""
+    held: dict[int, tuple[str | None, Holder]] = {}
+    for lock_id, backend_pid, client_addr, app_name, backend_start, query in conn.execute(
+        sql.STATUS_ADVISORY_LOCKS
+    ).fetchall():
+        announced: dict[str, Any] = {}
+        match = _ANNOUNCEMENT.search(str(query or ""))
+        if match:
+            try:
+                announced = json.loads(match.group(1))
+            except ValueError:
+                announced = {}
+        holder = Holder(
+            mode="session",
+            host=_str(announced.get("host")),
+            pid=_int(announced.get("pid")),
+            run_id=_str(announced.get("run_id")),
+            since=_str(announced.get("since")) or iso(backend_start),
+            backend_pid=_int(backend_pid),
+            client_addr=_str(client_addr),
+            application_name=_str(app_name),
+        )
+        held.setdefault(int(lock_id), (_label_from_app(int(lock_id), app_name), holder))
+    return held
+
+
+def _label_from_app(lock_id: int, app_name: object) -> str | None:
+    """The key a jobrun session (``application_name`` = ``jobrun:<label>``) holds this id for."""
+    name = str(app_name or "")
+    if not name.startswith(_APP_PREFIX):
+        return None
+    label = name[len(_APP_PREFIX) :]
+    # One key, or one of a comma-joined group; a trimmed name or a raw --lock-id that does
+    # not match is named by its number.
+    for candidate in (label, *label.split(",")):
+        if candidate and lock_ids_of(candidate) == [lock_id]:
+            return candidate
+    return f"lock-id:{lock_id}"
+
+
+def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
+    """The newest ``limit`` rows of ``label`` (None when there is no history table yet)."""
+    try:
+        with conn.transaction():
+            conn.execute(sql.RUNS_LOCAL_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
+            rows = conn.execute(sql.RUNS_OF_KEY, {"key": label, "limit": limit}).fetchall()
+    except errors.UndefinedTable:
+        return None
+    names = (
+        "run_id",
+        "key",
+        "lock_ids",
+        "mode",
+        "host",
+        "pid",
+        "child_pid",
+        "program",
+        "started_at",
+        "finished_at",
+        "outcome",
+        "reason",
+        "exit_code",
+        "signal",
+        "duration",
+        "streak",
+        "holder",
+    )
+    runs: list[dict[str, object]] = []
+    for row in rows:
+        run = dict(zip(names, row, strict=True))
+        run.update(
+            run_id=str(run["run_id"]),
+            lock_ids=[int(lock_id) for lock_id in row[2] or []],
+            started_at=iso(run["started_at"]),
+            finished_at=iso(run["finished_at"]),
+            duration=_seconds(run["duration"]),
+        )
+        runs.append(run)
+    return runs
+
+
+# --- for people ------------------------------------------------------------------------------
+
+
+def status_table(rows: Iterable[KeyStatus]) -> str:
+    """An aligned table, one line per key."""
+    header = (
+        "KEY",
+        "HELD",
+        "HOLDER",
+        "RUN",
+        "SINCE",
+        "LAST",
+        "FINISHED",
+        "DURATION",
+        "TYPICAL",
+        "SKIPS",
+        "FAILS",
+    )
+    lines = [header]
+    for row in rows:
+        holder = row.holder
+        lines.append(
+            (
+                row.key,
+                holder.mode if holder else "-",
+                _who(holder),
+                (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
+                _when(holder.since) if holder else "-",
+                row.last_outcome or "-",
+                _when(row.last_finished_at),
+                _duration(row.last_duration),
+                _duration(row.typical_duration),
+                str(row.skip_streak),
+                str(row.failure_streak),
+            )
+        )
+    return _align(lines)
+
+
+def history_table(runs: Iterable[dict[str, Any]]) -> str:
+    """An aligned table of runs, newest first."""
+    lines: list[tuple[str, ...]] = [
+        ("STARTED", "OUTCOME", "EXIT", "DURATION", "HOST", "PID", "RUN", "NOTE")
+    ]
+    for run in runs:
+        note = run["reason"] or run["signal"] or ""
+        holder = run.get("holder") or {}
+        if run["outcome"] == "skipped" and holder.get("holder_host"):
+            note = f"{note}, held by {holder['holder_host']} pid {holder.get('holder_pid')}"
+        elif run["outcome"] == "skipped" and holder.get("previous_host"):
+            note = (
+                f"{note}, ran on {holder['previous_host']} at {holder.get('previous_started_at')}"
+            )
+        lines.append(
+            (
+                _when(run["started_at"]),
+                str(run["outcome"]),
+                "-" if run["exit_code"] is None else str(run["exit_code"]),
+                _duration(run["duration"]),
+                str(run["host"]),
+                str(run["pid"]),
+                str(run["run_id"])[:_SHORT_RUN_ID],
+                note or "-",
+            )
+        )
+    return _align(lines)
+
+
+def _align(lines: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _who(holder: Holder | None) -> str:
+    if holder is None:
+        return "-"
+    if holder.host is not None:
+        return f"{holder.host} pid {holder.pid}"
+    if holder.backend_pid is not None:  # not a jobrun session, or its query is hidden from us
+        return f"backend {holder.backend_pid}" + (
+            f" from {holder.client_addr}" if holder.client_addr else ""
+        )
+    return "?"
+
+
+def _when(stamp: str | None) -> str:
+    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp."""
+    if not stamp:
+        return "-"
+    try:
+        parsed = dt.datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.timezone.utc)
+    return parsed.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return format_seconds(round(seconds, 1) if seconds < 60 else seconds)  # noqa: PLR2004 - a minute
+
+
+def _seconds(value: object) -> float | None:
+    return None if value is None else round(float(str(value)), 3)
+
+
+def _str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _int(value: object) -> int | None:
+    return None if value is None else int(str(value))

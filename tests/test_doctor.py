@@ -1,0 +1,286 @@
+"""``jobrun doctor`` against real servers: what it finds, how it exits, what it never prints."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import click
+import psycopg
+import pytest
+from click.testing import CliRunner
+from psycopg import sql as pgsql
+from psycopg.conninfo import make_conninfo
+
+from jobrun import history
+from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.ops_cli import register
+from support import jobrun_cli
+from support.pgserver import create_database, drop_database
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+
+@pytest.fixture
+def doctor() -> Callable[..., click.testing.Result]:
+    """``doctor(dsn, *args) -> Result``: ``jobrun doctor`` on a throwaway group, in-process."""
+    group = click.Group()
+    register(group)
+    runner = CliRunner()
+
+    def invoke(dsn: str, *args: str) -> click.testing.Result:
+        return runner.invoke(
+            group, ["doctor", *args], env={"JOBRUN_DSN": dsn}, standalone_mode=False
+        )
+
+    return invoke
+
+
+def findings(result: click.testing.Result) -> dict[str, dict[str, Any]]:
+    """The --json report by check name."""
+    assert result.exception is None, result.output
+    return {row["check"]: row for row in json.loads(result.stdout)}
+
+
+@pytest.fixture
+def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
+    """A database of this test's own, without the jobrun schema."""
+    name = f"jobrun_fresh_{uuid.uuid4().hex[:12]}"
+    create_database(pg_admin_dsn, name)
+    try:
+        yield make_conninfo(pg_admin_dsn, dbname=name)
+    finally:
+        drop_database(pg_admin_dsn, name)
+
+
+@pytest.fixture
+def role(pg_admin_dsn) -> Iterator[Callable[..., str]]:
+    """``make(database_dsn, *statements) -> dsn``: a login role, set up by ``statements``."""
+    made: list[tuple[str, str]] = []
+
+    def make(database_dsn: str, *statements: str) -> str:
+        name = f"jobrun_role_{uuid.uuid4().hex[:10]}"
+        made.append((name, database_dsn))
+        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(name)))
+        with psycopg.connect(database_dsn, autocommit=True) as conn:
+            for statement in statements:
+                conn.execute(pgsql.SQL(statement).format(role=pgsql.Identifier(name)))
+        return make_conninfo(database_dsn, user=name)
+
+    yield make
+    for name, database_dsn in made:
+        with psycopg.connect(database_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(name)))
+        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(name)))
+
+
+class TestReport:
+    """One line per check, OK / WARN / FAIL, and an exit status that follows them."""
+
+    def test_every_check_is_one_line_with_a_status(self, doctor, dsn):
+        """Each line starts with OK, WARN or FAIL; the expected checks are all there."""
+        result = doctor(dsn)
+        lines = result.stdout.splitlines()
+        assert {line.split()[0] for line in lines} <= {"OK", "WARN", "FAIL"}
+        checks = {line.split()[1] for line in lines}
+        assert {
+            "connection",
+            "server",
+            "role",
+            "schema",
+            "pooler",
+            "idle_session_timeout",
+            "idle_in_transaction_session_timeout",
+            "connections",
+            "advisory",
+            "lock",
+        } <= checks
+
+    def test_exit_status_is_0_without_a_fail(self, doctor, dsn):
+        """Warnings (a superuser, default keepalives) do not fail the run."""
+        result = doctor(dsn, "--json")
+        assert "FAIL" not in {row["status"] for row in findings(result).values()}
+        assert result.return_value == 0
+
+    def test_connection_names_the_server_without_the_password(self, doctor, dsn):
+        """host:port/dbname and the user; a password in the DSN is never printed."""
+        result = doctor(dsn + " password=hunter2secret", "--json")
+        assert "hunter2secret" not in result.output
+        detail = findings(result)["connection"]["detail"]
+        assert "/jobrun_test_" in detail
+
+    def test_unreachable_is_lockstore_unavailable(self, doctor):
+        """No server: LockStoreUnavailable (one line, exit 69), the password masked."""
+        result = doctor("host=127.0.0.1 port=1 dbname=x password=hunter2secret")
+        assert isinstance(result.exception, LockStoreUnavailable)
+        assert result.exception.exit_code == 69
+        assert "hunter2secret" not in str(result.exception)
+        assert result.stdout == ""
+
+
+class TestSchemaAndPrivileges:
+    """Whether jobrun's tables exist or can be created, for this role and mode."""
+
+    def test_missing_schema_that_can_be_created_is_ok(self, doctor, fresh_dsn):
+        """A superuser on a fresh database: the schema will be created on first use."""
+        row = findings(doctor(fresh_dsn, "--json"))["schema"]
+        assert row["status"] == "OK"
+        assert "first use" in row["detail"]
+
+    def test_lease_mode_fails_when_nothing_can_be_created(self, doctor, fresh_dsn, role):
+        """No schema and no CREATE on the database: FAIL in lease mode, exit 1."""
+        limited = role(fresh_dsn)
+        result = doctor(limited, "--mode", "lease", "--json")
+        assert findings(result)["schema"]["status"] == "FAIL"
+        assert result.return_value == 1
+
+    def test_session_mode_only_warns_when_nothing_can_be_created(self, doctor, fresh_dsn, role):
+        """The same in session mode: WARN (only the history is lost), exit 0."""
+        limited = role(fresh_dsn)
+        result = doctor(limited, "--json")
+        assert findings(result)["schema"]["status"] == "WARN"
+        assert result.return_value == 0
+
+    def test_missing_privileges_on_runs_are_a_warn(self, doctor, fresh_dsn, role):
+        """jobrun.runs readable but not writable: WARN naming what is missing."""
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            history.ensure_schema(conn)
+        limited = role(
+            fresh_dsn,
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT ON jobrun.runs TO {role}",
+        )
+        row = findings(doctor(limited, "--json"))["jobrun.runs"]
+        assert row["status"] == "WARN"
+        assert "INSERT, UPDATE, DELETE" in row["detail"]
+
+    def test_a_superuser_is_a_warn(self, doctor, dsn):
+        """Running jobs as a superuser is flagged."""
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            superuser = row.fetchone()
+        if not (superuser and superuser[0]):
+            pytest.skip("the test server's role is not a superuser")
+        assert findings(doctor(dsn, "--json"))["role"]["status"] == "WARN"
+
+    def test_a_plain_role_is_ok(self, doctor, dsn, role):
+        """A role that is neither superuser nor privileged: OK."""
+        row = findings(doctor(role(dsn), "--json"))["role"]
+        assert row["status"] == "OK"
+        assert "not a superuser" in row["detail"]
+
+
+class TestSettings:
+    """Settings that endanger held sessions, as a fresh session sees them."""
+
+    def test_a_role_level_idle_session_timeout_is_reported(self, doctor, dsn, role):
+        """ALTER ROLE ... SET idle_session_timeout shows, with why it is harmless here."""
+        limited = role(dsn)
+        user = psycopg.conninfo.conninfo_to_dict(limited)["user"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            if conn.info.server_version < 140000:
+                pytest.skip("idle_session_timeout is new in PostgreSQL 14")
+            conn.execute(
+                pgsql.SQL("ALTER ROLE {} SET idle_session_timeout = '1min'").format(
+                    pgsql.Identifier(str(user))
+                )
+            )
+        row = findings(doctor(limited, "--json"))["idle_session_timeout"]
+        assert "1min" in row["detail"]
+        assert "sets it to 0" in row["detail"]
+
+    def test_long_server_keepalives_warn_in_session_mode_only(self, doctor, private_server_factory):
+        """Default keepalives over TCP: WARN in session mode, OK in lease mode."""
+        server = private_server_factory({"tcp_keepalives_idle": "7200"})
+        tcp = make_conninfo(server.dsn(), host="127.0.0.1")
+        assert findings(doctor(tcp, "--json"))["tcp keepalives"]["status"] == "WARN"
+        lease = findings(doctor(tcp, "--mode", "lease", "--json"))["tcp keepalives"]
+        assert lease["status"] == "OK"
+
+    def test_short_server_keepalives_are_ok(self, doctor, private_server_factory):
+        """tcp_keepalives_idle 30, interval 5, count 3: OK."""
+        server = private_server_factory(
+            {
+                "tcp_keepalives_idle": "30",
+                "tcp_keepalives_interval": "5",
+                "tcp_keepalives_count": "3",
+            }
+        )
+        tcp = make_conninfo(server.dsn(), host="127.0.0.1")
+        row = findings(doctor(tcp, "--json"))["tcp keepalives"]
+        assert row["status"] == "OK"
+        assert "45s" in row["detail"]
+
+
+class TestCapacity:
+    """Connection headroom and the shared lock table."""
+
+    def test_advisory_locks_held_by_jobrun_sessions_are_counted(self, doctor, fresh_dsn, key):
+        """Two locks held by a session named jobrun:<key>: counted as jobrun's."""
+        with psycopg.connect(fresh_dsn, autocommit=True, application_name=f"jobrun:{key}") as c:
+            c.execute("SELECT pg_advisory_lock(%s), pg_advisory_lock(%s)", (1, -2))
+            row = findings(doctor(fresh_dsn, "--json"))["advisory locks"]
+        assert row["detail"].startswith("2 held in this database now, 2 of them by jobrun")
+
+    def test_lock_table_capacity_is_reported(self, doctor, dsn):
+        """The capacity formula's result and the share advisory locks take."""
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(
+                "SELECT current_setting('max_locks_per_transaction')::int"
+                " * (current_setting('max_connections')::int"
+                " + current_setting('max_prepared_transactions')::int)"
+            ).fetchone()
+        assert row is not None
+        finding = findings(doctor(dsn, "--json"))["lock table"]
+        assert f"room for about {row[0]} locks" in finding["detail"]
+
+    def test_connection_headroom_is_reported(self, doctor, dsn):
+        """In use, reserved and free connection slots."""
+        finding = findings(doctor(dsn, "--json"))["connections"]
+        assert finding["status"] in {"OK", "WARN"}
+        assert " free" in finding["detail"]
+
+
+class TestPooler:
+    """A transaction pooler fails session mode and is fine for lease mode."""
+
+    def test_transaction_pooler_fails_session_mode(self, doctor, pgbouncer, pg_address, dsn):
+        """Through PgBouncer in transaction mode: FAIL and exit 1 in session mode."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        through = bouncer.dsn_for(dsn)
+        result = doctor(through, "--json")
+        assert findings(result)["pooler"]["status"] == "FAIL"
+        assert result.return_value == 1
+
+    def test_transaction_pooler_is_fine_for_lease_mode(self, doctor, pgbouncer, pg_address, dsn):
+        """The same pooler in lease mode: OK."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        through = bouncer.dsn_for(dsn)
+        assert findings(doctor(through, "--mode", "lease", "--json"))["pooler"]["status"] == "OK"
+
+    def test_direct_connection_is_ok(self, doctor, dsn):
+        """No pooler: OK."""
+        assert findings(doctor(dsn, "--json"))["pooler"]["status"] == "OK"
+
+
+class TestWiredThroughCli:
+    """``python -m jobrun doctor``: needs ops_cli.register wired into cli.py."""
+
+    def test_doctor_exits_0_through_the_real_cli(self, dsn):
+        """A healthy database: exit 0, one line per check."""
+        result = jobrun_cli.run("doctor", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[0].startswith("OK    connection")
+
+    def test_doctor_unreachable_exits_69_with_one_line(self):
+        """No database: exit 69, one line on stderr, the password masked."""
+        result = jobrun_cli.run(
+            "doctor", dsn="host=127.0.0.1 port=1 password=hunter2secret connect_timeout=2"
+        )
+        assert result.returncode == 69
+        (line,) = result.stderr.strip().splitlines()
+        assert "hunter2secret" not in line
