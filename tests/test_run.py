@@ -511,3 +511,34 @@ class TestInterruptedWhileWaiting:
         assert not ran.exists()
         assert "Traceback" not in stderr
         wait_until(lambda: advisory_waiters(dsn) == [], what="the waiter's session to end")
+
+
+class TestMinHold:
+    """--min-hold keeps the lock after a short child, for hosts whose clocks run late."""
+
+    def test_lock_stays_held_after_the_child_ends(self, dsn, key, tmp_path):
+        """A second run after the child finished still skips while the hold lasts."""
+        done = tmp_path / "done"
+        first = jobrun_cli.start(
+            "--key", key, "--min-hold", "60s", "--", "sh", "-c", f'echo $$ > "{done}"', dsn=dsn
+        )
+        try:
+            child = int(wait_for_file(done))
+            wait_until(lambda: jobrun_cli.process_gone(child), what="the child to end")
+            second = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
+            assert second.returncode == 75
+            assert event(second.stderr, "skipped")["holder_pid"] == first.pid
+        finally:
+            stderr = jobrun_cli.signal_and_wait(first, signal.SIGTERM)
+        assert first.returncode == 0, stderr  # the child's status, not the signal's
+        assert event(stderr, "holding")["reason"] == "min_hold"
+        assert event(stderr, "hold_interrupted")["signal"] == "SIGTERM"
+
+    def test_hold_ends_at_min_hold_after_the_start(self, dsn, key):
+        """Without interruption the run ends once min-hold has passed since the start."""
+        result = jobrun_cli.run("--key", key, "--min-hold", "1s", "--", "true", dsn=dsn)
+        assert result.returncode == 0
+        started, finished = event(result.stderr, "started"), event(result.stderr, "finished")
+        assert event(result.stderr, "holding")["seconds"] <= 1.0
+        assert finished["duration"] < 1.0  # the child's own duration, not the hold
+        assert started["run_id"] == finished["run_id"]
