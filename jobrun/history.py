@@ -18,7 +18,7 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from jobrun import alerts, db, metrics, sql
-from jobrun.exitcodes import JobrunError, UsageError
+from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
 from jobrun.keys import Key, describe
 from jobrun.locks.lease import SCHEMA_LOCK_ID
 
@@ -240,6 +240,7 @@ class Recorder:
         self._started_wall = time.time()
         self._acquired_at: dt.datetime | None = None
         self._warned = False
+        self._failures = 0
         self._gave_up = False
         self._pending: list[dict[str, object]] = []
         self._start_call: _Call[Any] | None = None
@@ -269,8 +270,17 @@ class Recorder:
             return abandoned, earlier
 
         deadline = time.monotonic() + self._config.timeout
+        failures = self._failures
         result = self._attempt("checking earlier runs", work, create=False, deadline=deadline)
         if result is None:
+            if once_per is not None and (self._gave_up or self._failures > failures):
+                # WARNING: fail closed: without the history we cannot know whether this
+                # window's run already happened (--on-db-error run opts out).
+                raise LockStoreUnavailable(
+                    "--once-per: the run history cannot be read, so whether this window "
+                    "already had its run is unknown",
+                    reason="history_unavailable",
+                )
             return None
         abandoned, earlier = result
         for run_id, label, host, pid, started_at in abandoned:
@@ -531,6 +541,7 @@ class Recorder:
         return result
 
     def _failed(self, during: str, error: str) -> None:
+        self._failures += 1
         if self._warned:
             self._log.debug("history_failed", during=during, error=error)
             return

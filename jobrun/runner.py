@@ -191,7 +191,20 @@ class _GuardedRun:
         # From here on, signals wait for the supervisor (or are dropped during the release).
         with supervise.signals_held() as child_mask:
             try:
-                earlier = self.recorder.acquired(job.once_per)
+                try:
+                    earlier = self.recorder.acquired(job.once_per)
+                except LockStoreUnavailable as exc:  # --once-per cannot be checked
+                    checked_anyway = job.on_db_error == "run"
+                    log.error(
+                        exc.event,
+                        reason=exc.reason,
+                        error=str(exc),
+                        running_unguarded=False,
+                        running_unchecked=checked_anyway,
+                    )
+                    if not checked_anyway:
+                        return exc.exit_code
+                    earlier = None
                 if earlier is not None:
                     fields = {f"previous_{name}": value for name, value in earlier.items()}
                     log.info(

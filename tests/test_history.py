@@ -872,6 +872,30 @@ class TestWiredThroughCli:
         assert event(result.stderr, "history_failed")["level"] == "warning"
         assert event(result.stderr, "finished")["outcome"] == "succeeded"
 
+    def test_once_per_fails_closed_when_the_history_cannot_be_read(self, dsn, key, role, tmp_path):
+        """--once-per without a readable history: exit 69, the child does not run."""
+        ensure_runs_table(dsn)
+        limited = role("GRANT USAGE ON SCHEMA jobrun TO {role}")
+        ran = tmp_path / "ran"
+        result = jobrun_cli.run("--key", key, "--once-per", "1h", "--", "touch", str(ran),
+                                dsn=limited)  # fmt: skip
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == "history_unavailable"
+        assert not ran.exists()
+
+    def test_once_per_with_on_db_error_run_runs_unchecked(self, dsn, key, role, tmp_path):
+        """--on-db-error run opts into running when --once-per cannot be checked."""
+        ensure_runs_table(dsn)
+        limited = role("GRANT USAGE ON SCHEMA jobrun TO {role}")
+        ran = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--once-per", "1h", "--on-db-error", "run", "--", "touch", str(ran),
+            dsn=limited,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["running_unchecked"] is True
+        assert ran.exists()
+
     def test_once_per_runs_once_across_concurrent_processes(self, dsn, key, tmp_path):
         """Four hosts start at once with --once-per 1h: one child runs, three skip."""
         out = tmp_path / "ran"
