@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, MutableMapping
@@ -72,6 +73,21 @@ def _lead_with_time_level_event(
     return {**lead, **event_dict}
 
 
+class _LibraryWarnings(logging.Handler):
+    """Turn warnings that libraries send to ``logging`` into our own event lines.
+
+    Without it, Python prints them raw on stderr (psycopg's "error ignored in rollback"
+    when a connection is cut), and a stray non-JSON line breaks log parsers.
+    """
+
+    def __init__(self, log: structlog.typing.FilteringBoundLogger) -> None:
+        super().__init__(logging.WARNING)
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._log.warning("library_warning", logger=record.name, message=record.getMessage())
+
+
 def configure(
     *,
     fmt: str = "auto",
@@ -108,4 +124,7 @@ def configure(
         wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMBERS[level]),
         cache_logger_on_first_use=True,
     )
+    library = logging.getLogger("psycopg")
+    library.handlers = [_LibraryWarnings(logger)]
+    library.propagate = False
     return logger

@@ -1,0 +1,64 @@
+"""Event lines: one JSON object per line, secrets masked, library warnings kept in format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from jobrun import log
+
+
+@pytest.fixture(autouse=True)
+def _restore_psycopg_logger():
+    """configure() takes over psycopg's logger: give it back after each test."""
+    library = logging.getLogger("psycopg")
+    handlers, propagate = list(library.handlers), library.propagate
+    yield
+    library.handlers, library.propagate = handlers, propagate
+
+
+def lines_from(fd_reader: int) -> list[dict[str, object]]:
+    """Everything written so far to the pipe, as parsed JSON lines."""
+    data = os.read(fd_reader, 65536).decode()
+    return [json.loads(line) for line in data.splitlines()]
+
+
+class TestEventLines:
+    """The logger jobrun hands to every module."""
+
+    def test_fields_lead_with_time_level_event(self):
+        """timestamp, level and event come first; the rest follows."""
+        reader, writer = os.pipe()
+        logger = log.configure(fmt="json", fd=writer)
+        logger.info("started", key="k")
+        (line,) = lines_from(reader)
+        assert list(line)[:3] == ["timestamp", "level", "event"]
+        assert line["key"] == "k"
+
+    def test_known_secrets_are_masked_in_every_field(self):
+        """A password handed to configure() never appears in a line."""
+        reader, writer = os.pipe()
+        logger = log.configure(fmt="json", fd=writer, secrets=["s3cret-pw"])
+        logger.error("lockstore_unavailable", error="auth failed for password s3cret-pw")
+        (line,) = lines_from(reader)
+        assert "s3cret-pw" not in json.dumps(line)
+
+    def test_library_warnings_become_event_lines(self):
+        """A psycopg warning through `logging` is a JSON `library_warning` line."""
+        reader, writer = os.pipe()
+        log.configure(fmt="json", fd=writer)
+        logging.getLogger("psycopg").warning("error ignored in rollback on %s", "conn")
+        (line,) = lines_from(reader)
+        assert line["event"] == "library_warning"
+        assert line["message"] == "error ignored in rollback on conn"
+
+    def test_level_filter(self):
+        """--log-level warning drops info lines."""
+        reader, writer = os.pipe()
+        logger = log.configure(fmt="json", fd=writer, level="warning")
+        logger.info("started")
+        logger.warning("heartbeat_failed")
+        assert [line["event"] for line in lines_from(reader)] == ["heartbeat_failed"]
