@@ -11,6 +11,7 @@ from click.core import ParameterSource
 
 from jobrun import __version__, durations, keys
 from jobrun.exitcodes import Exit, JobrunError, UsageError
+from jobrun.options import MODES, db_options, log_options
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity
 
 _ARGV = "jobrun.argv"
-MODES = ("session", "lease")
 
 
 class _Lines(click.ParamType):  # type: ignore[type-arg]
@@ -71,62 +71,6 @@ def _duration(value: str | None, option: str) -> float | None:
     return None if value is None else durations.parse(value, option=option)
 
 
-def _log_options(command: Any) -> Any:
-    for decorator in reversed(
-        (
-            click.option(
-                "--log-format",
-                envvar="JOBRUN_LOG_FORMAT",
-                type=click.Choice(["auto", "json", "logfmt", "console"]),
-                default="auto",
-                show_default=True,
-                help="Event line format; auto = console on a terminal, JSON otherwise.",
-            ),
-            click.option(
-                "--log-file",
-                envvar="JOBRUN_LOG_FILE",
-                metavar="PATH",
-                help="Append events here instead of stderr (safe with concurrent writers).",
-            ),
-            click.option(
-                "--log-level",
-                envvar="JOBRUN_LOG_LEVEL",
-                type=click.Choice(["debug", "info", "warning", "error"]),
-                default="info",
-                show_default=True,
-                help="Least severe event to write.",
-            ),
-        )
-    ):
-        command = decorator(command)
-    return command
-
-
-def _db_options(command: Any) -> Any:
-    for decorator in reversed(
-        (
-            click.option(
-                "--dsn",
-                envvar="JOBRUN_DSN",
-                default="",
-                metavar="DSN",
-                help="libpq connection string or URI; default: PG* variables, service "
-                "file, ~/.pgpass. Prefer JOBRUN_DSN or .pgpass for passwords.",
-            ),
-            click.option(
-                "--connect-timeout",
-                envvar="JOBRUN_CONNECT_TIMEOUT",
-                default="10s",
-                show_default=True,
-                metavar="DURATION",
-                help="Give up connecting after this long.",
-            ),
-        )
-    ):
-        command = decorator(command)
-    return command
-
-
 @click.group(
     cls=JobrunGroup,
     invoke_without_command=True,
@@ -152,7 +96,7 @@ def _db_options(command: Any) -> Any:
     metavar="INT",
     help="Raw signed 64-bit lock id, for interop with code that locks numbers (repeatable).",
 )
-@_db_options
+@db_options
 @click.option(
     "--mode",
     envvar="JOBRUN_MODE",
@@ -267,7 +211,7 @@ def _db_options(command: Any) -> Any:
     metavar="PATH",
     help="Prometheus textfile written after each run or skip ({key} is replaced).",
 )
-@_log_options
+@log_options
 @click.pass_context
 def cli(ctx: click.Context, /, **options: Any) -> int | None:
     r"""Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
@@ -463,7 +407,7 @@ def key_command(names: tuple[str, ...]) -> int:
 @click.option("--ttl", default="10s", show_default=True, metavar="DURATION", help="Lease TTL.")
 @click.option("--kill-after", default="2s", show_default=True, metavar="DURATION")
 @click.option("--heartbeat", metavar="DURATION", help="As for a run.")
-@_db_options
+@db_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
     r"""Rehearse the crash paths on your database: skip, kill -9, lock taken away.

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
+from jobrun.options import MODES, db_options
+
 if TYPE_CHECKING:
     from jobrun import db
-
-MODES = ("session", "lease")
 
 
 def register(group: click.Group) -> None:
@@ -18,31 +18,6 @@ def register(group: click.Group) -> None:
     group.add_command(status_command)
     group.add_command(history_command)
     group.add_command(doctor_command)
-
-
-def _connection_options(command: Any) -> Any:
-    for decorator in reversed(
-        (
-            click.option(
-                "--dsn",
-                envvar="JOBRUN_DSN",
-                default="",
-                metavar="DSN",
-                help="libpq connection string or URI; default: PG* variables, service "
-                "file, ~/.pgpass.",
-            ),
-            click.option(
-                "--connect-timeout",
-                envvar="JOBRUN_CONNECT_TIMEOUT",
-                default="10s",
-                show_default=True,
-                metavar="DURATION",
-                help="Give up connecting after this long (exit 69).",
-            ),
-        )
-    ):
-        command = decorator(command)
-    return command
 
 
 def _json_option(command: Any) -> Any:
@@ -68,7 +43,7 @@ def _target(dsn: str, connect_timeout: str) -> db.Target:
 
 @click.command("status")
 @click.argument("key_labels", nargs=-1, metavar="[KEY]...")
-@_connection_options
+@db_options
 @_json_option
 def status_command(
     key_labels: tuple[str, ...], dsn: str, connect_timeout: str, as_json: bool
@@ -112,7 +87,7 @@ def status_command(
     show_default=True,
     help="Show this many runs, newest first.",
 )
-@_connection_options
+@db_options
 @_json_option
 def history_command(
     key_label: str, limit: int, dsn: str, connect_timeout: str, as_json: bool
@@ -145,7 +120,7 @@ def history_command(
 
 
 @click.command("doctor")
-@_connection_options
+@db_options
 @click.option(
     "--mode",
     envvar="JOBRUN_MODE",
