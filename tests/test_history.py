@@ -20,7 +20,7 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
 from jobrun import alerts, db, history, keys, log
-from jobrun.exitcodes import UsageError
+from jobrun.exitcodes import LockStoreUnavailable, UsageError
 from jobrun.history import HistoryConfig, Recorder
 from jobrun.locks import Identity
 from support import jobrun_cli
@@ -740,7 +740,7 @@ class TestHistoryFailures:
             "GRANT USAGE ON SCHEMA jobrun TO {role}", "GRANT SELECT ON jobrun.runs TO {role}"
         )
         recorder = make_recorder(target_dsn=limited, config=HistoryConfig(alert_after=1))
-        assert recorder.acquired(3600) is None
+        assert recorder.acquired(None) is None
         recorder.started(1)
         recorder.finished("failed", 1, None, 1.0)
         recorder.skipped("locked", holder(str(uuid.uuid4())), 75)
@@ -794,7 +794,8 @@ class TestHistoryFailures:
         cut.blackhole()
         recorder = make_recorder(target_dsn=cut.dsn_for(dsn), config=HistoryConfig(timeout=1))
         started = time.monotonic()
-        assert recorder.acquired(3600) is None
+        with pytest.raises(LockStoreUnavailable):  # --once-per fails closed
+            recorder.acquired(3600)
         assert time.monotonic() - started < 3
         recorder.finished("succeeded", 0, None, 1.0)  # given up: no second wait
         assert time.monotonic() - started < 3
