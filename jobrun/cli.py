@@ -214,7 +214,7 @@ def _duration(value: str | None, option: str) -> float | None:
 @log_options
 @click.pass_context
 def cli(ctx: click.Context, /, **options: Any) -> int | None:
-    r"""Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
+    """Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
 
     \b
       jobrun --key nightly-export -- ./export.sh
@@ -410,7 +410,7 @@ def key_command(names: tuple[str, ...]) -> int:
 @db_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
-    r"""Rehearse the crash paths on your database: skip, kill -9, lock taken away.
+    """Rehearse the crash paths on your database: skip, kill -9, lock taken away.
 
     \b
       jobrun drill --key drill-nightly-export [--mode lease] [-- COMMAND...]
@@ -459,9 +459,10 @@ def demo_command(dsn: str) -> int:
 
 
 def _register_operations() -> None:
-    from jobrun import ops_cli
+    from jobrun import ops_cli, overlap_cli
 
     ops_cli.register(cli)
+    overlap_cli.register(cli)
 
 
 _register_operations()

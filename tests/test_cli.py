@@ -149,3 +149,16 @@ class TestDemo:
         assert "starting a throwaway PostgreSQL" in result.stdout
         assert "-> exit 75" in result.stdout
         assert "demo passed" in result.stdout
+
+
+class TestHelpRendering:
+    """Help texts render click's no-rewrap blocks, not a literal backslash-b."""
+
+    @pytest.mark.parametrize(
+        "command", [[], ["drill"], ["status"], ["history"], ["doctor"], ["overlap"], ["demo"]]
+    )
+    def test_no_literal_backslash_b(self, command):
+        """`\\b` must be click's marker (a backspace), never printed as text."""
+        result = jobrun_cli.run(*command, "--help", dsn=None)
+        assert result.returncode == 0
+        assert "\\b" not in result.stdout

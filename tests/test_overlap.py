@@ -1,0 +1,524 @@
+"""``jobrun overlap`` against a real PostgreSQL: deadlocks caught, fixes confirmed, jobs killed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import click
+import psycopg
+import pytest
+from click.testing import CliRunner
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from jobrun import overlap
+from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
+from jobrun.overlap_cli import register
+from support import jobrun_cli
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+#: A job: BEGIN; UPDATE row FIRST; wait (bounded) until the other job holds its first row,
+#: waits for ours, or is gone; UPDATE row SECOND; COMMIT. Rows 1 then 2 against rows 2 then
+#: 1 deadlock every time; the same order on both sides never does.
+JOB = """
+import os, sys, time
+import psycopg
+
+dsn, table, first, second = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+other = "B" if os.environ["JOBRUN_OVERLAP_ROLE"] == "A" else "A"
+other_app = f"jobrun-overlap:{other}:{os.environ['JOBRUN_OVERLAP_ATTEMPT']}"
+update = "UPDATE {} SET balance = balance + 1 WHERE id = {}"
+with psycopg.connect(dsn, autocommit=True) as conn, psycopg.connect(
+    dsn, autocommit=True, application_name="overlap-test-probe"
+) as probe:
+    try:
+        conn.execute("SET deadlock_timeout = '200ms'")  # keeps the test fast (superuser only)
+    except psycopg.errors.InsufficientPrivilege:
+        pass
+
+    def other_state():
+        return probe.execute(
+            "SELECT backend_xid IS NOT NULL OR wait_event_type = 'Lock' FROM pg_stat_activity"
+            " WHERE application_name = %s AND datname = current_database()",
+            (other_app,),
+        ).fetchone()
+
+    seen = other_state() is not None
+    conn.execute("BEGIN")
+    conn.execute(update.format(table, first))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        row = other_state()
+        if row is None and seen:
+            break
+        if row is not None:
+            seen = True
+            if row[0]:
+                break
+        time.sleep(0.01)
+    conn.execute(update.format(table, second))
+    conn.execute("COMMIT")
+"""
+
+#: B: exits 1 unless one of A's sessions is inside a transaction right now; then says done.
+B_CHECKS_A = """
+import os, sys
+import psycopg
+
+attempt = os.environ["JOBRUN_OVERLAP_ATTEMPT"]
+with psycopg.connect(sys.argv[1], autocommit=True, application_name="overlap-test-probe") as c:
+    row = c.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        " AND xact_start IS NOT NULL AND datname = current_database()",
+        (f"jobrun-overlap:A:{attempt}",),
+    ).fetchone()
+open(sys.argv[2], "w").close()
+sys.exit(0 if row[0] else 1)
+"""
+
+#: A: BEGIN, then wait (bounded) until B says it is done, then COMMIT.
+A_WAITS_FOR_B = """
+import os, sys, time
+import psycopg
+
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    conn.execute("BEGIN")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not os.path.exists(sys.argv[2]):
+        time.sleep(0.01)
+    conn.execute("COMMIT")
+"""
+
+#: A job that updates row 1 and waits for as long as it takes.
+UPDATE_ROW_1 = """
+import sys
+import psycopg
+
+with psycopg.connect(sys.argv[1]) as conn:
+    conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 1")
+"""
+
+#: Every field of ``jobrun overlap --json`` (docs/overlap.md).
+REPORT_FIELDS = {
+    "database",
+    "first",
+    "second",
+    "runs",
+    "attempts_run",
+    "deadlocks",
+    "cycles_without_deadlock_error",
+    "timeouts",
+    "failed",
+    "clean",
+    "waits_observed",
+    "exit_status",
+    "cycles",
+    "attempts",
+    "notes",
+}
+ATTEMPT_FIELDS = {
+    "attempt",
+    "outcome",
+    "timed_out",
+    "duration",
+    "b_started",
+    "exit_codes",
+    "pids",
+    "cycle",
+    "waits",
+    "deadlock_lines",
+    "output_tail",
+    "notes",
+}
+WAIT_FIELDS = {"job", "pid", "query", "lock", "held_by", "text"}
+
+
+@pytest.fixture
+def accounts(dsn: str) -> Iterator[str]:
+    """A table of this test's own with rows 1 and 2."""
+    table = f"overlap_accounts_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, balance int NOT NULL)")
+        conn.execute(f"INSERT INTO {table} VALUES (1, 0), (2, 0)")  # noqa: S608 - our own name
+    yield table
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE {table}")
+
+
+def job(dsn: str, table: str, first: int, second: int) -> str:
+    """The --first/--second text of a job that updates row ``first``, then row ``second``."""
+    return shlex.join([sys.executable, "-c", JOB, dsn, table, str(first), str(second)])
+
+
+@pytest.fixture
+def overlap_cli() -> Callable[..., click.testing.Result]:
+    """``overlap_cli(*args) -> Result``: ``jobrun overlap`` on a throwaway group, in-process."""
+    group = click.Group()
+    register(group)
+    runner = CliRunner()
+
+    def invoke(*args: str) -> click.testing.Result:
+        return runner.invoke(group, ["overlap", *args], standalone_mode=False)
+
+    return invoke
+
+
+def exit_status(result: click.testing.Result) -> int:
+    """The status jobrun's main() turns this result into (ClickException: 64)."""
+    if isinstance(result.exception, click.ClickException):
+        return 64
+    if isinstance(result.exception, JobrunError):
+        return result.exception.exit_code
+    assert result.exception is None, result.exception
+    return int(result.return_value)
+
+
+def report_json(result: click.testing.Result) -> dict[str, Any]:
+    """The --json report, checked for its documented fields."""
+    assert result.exception is None, f"{result.exception!r}\n{result.output}"
+    report = json.loads(result.stdout)
+    assert set(report) == REPORT_FIELDS
+    for attempt in report["attempts"]:
+        assert set(attempt) == ATTEMPT_FIELDS
+    return report
+
+
+class TestDeadlock:
+    """Two jobs that take the same rows in opposite orders."""
+
+    def test_opposite_orders_deadlock_every_attempt(self, overlap_cli, dsn, accounts):
+        """3 attempts, 3 deadlocks, exit 1; the cycle names both statements and the table."""
+        result = overlap_cli(
+            "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 2, 1),
+            "--runs", "3", "--dsn", dsn, "--timeout", "20s", "--json",
+        )  # fmt: skip
+        report = report_json(result)
+        assert exit_status(result) == 1
+        assert report["deadlocks"] == 3, result.stdout
+        assert [a["outcome"] for a in report["attempts"]] == ["deadlock"] * 3
+        assert all(a["b_started"] == "inside_transaction" for a in report["attempts"])
+        (cycle,) = report["cycles"]
+        assert cycle["attempts"] == [1, 2, 3]
+        waits = {wait["job"]: wait for wait in cycle["waits"]}
+        assert set(waits) == {"A", "B"}
+        assert waits["A"]["query"].endswith("WHERE id = 2")
+        assert waits["B"]["query"].endswith("WHERE id = 1")
+        assert waits["A"]["held_by"] == {"job": "B", "pid": waits["B"]["pid"]}
+        assert waits["B"]["held_by"] == {"job": "A", "pid": waits["A"]["pid"]}
+        for wait in waits.values():
+            assert set(wait) == WAIT_FIELDS
+            assert wait["lock"]["locktype"] == "transactionid"
+            assert wait["lock"]["mode"] == "ShareLock"
+            assert wait["lock"]["row_relation"] == accounts
+        errors = [line for a in report["attempts"] for lines in a["deadlock_lines"].values()
+                  for line in lines]  # fmt: skip
+        assert any("deadlock detected" in line for line in errors)
+
+    def test_human_report_shows_the_cycle_and_the_error(self, overlap_cli, dsn, accounts):
+        """One line per side of the cycle: job, pid, lock, holder, statement; then the error."""
+        result = overlap_cli(
+            "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 2, 1),
+            "--runs", "1", "--dsn", dsn, "--timeout", "20s",
+        )  # fmt: skip
+        assert exit_status(result) == 1, result.output
+        out = result.stdout
+        assert "1 attempt, 1 deadlock (1/1)" in out
+        update = f"UPDATE {accounts} SET balance = balance + 1 WHERE id = "  # noqa: S608 - text
+        a_line = next(line for line in out.splitlines() if line.startswith("  A (pid "))
+        b_line = next(line for line in out.splitlines() if line.startswith("  B (pid "))
+        assert "waits for ShareLock on transaction" in a_line
+        assert f"of {accounts})" in a_line
+        assert "held by B (pid " in a_line
+        assert a_line.endswith(f"while running: {update}2")
+        assert "held by A (pid " in b_line
+        assert b_line.endswith(f"while running: {update}1")
+        assert "deadlock error (attempt 1):" in out
+        assert "deadlock detected" in out
+        assert out.rstrip().endswith("deadlock in 1 of 1 attempt")
+
+
+class TestFixed:
+    """The same two jobs after the lock-ordering fix."""
+
+    def test_same_order_never_deadlocks(self, overlap_cli, dsn, accounts):
+        """Both take row 1 then row 2: 0 deadlocks in 3 attempts, exit 0."""
+        result = overlap_cli(
+            "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 1, 2),
+            "--runs", "3", "--dsn", dsn, "--timeout", "20s", "--json",
+        )  # fmt: skip
+        report = report_json(result)
+        assert exit_status(result) == 0
+        assert report["deadlocks"] == 0
+        assert report["cycles"] == []
+        assert [a["outcome"] for a in report["attempts"]] == ["clean"] * 3
+        assert all(a["exit_codes"] == {"A": 0, "B": 0} for a in report["attempts"])
+
+    def test_human_report_says_no_deadlock(self, overlap_cli, dsn, accounts):
+        """The last line says so, for a CI log."""
+        result = overlap_cli(
+            "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 1, 2),
+            "--runs", "2", "--dsn", dsn, "--timeout", "20s",
+        )  # fmt: skip
+        assert exit_status(result) == 0, result.output
+        assert "2 attempts, 0 deadlocks (0/2)" in result.stdout
+        assert result.stdout.rstrip().endswith("no deadlock in 2 attempts")
+
+
+class TestStartingB:
+    """When B starts."""
+
+    def test_b_starts_while_a_is_inside_a_transaction(self, overlap_cli, dsn, tmp_path):
+        """B finds A's session inside a transaction (B exits 1 otherwise)."""
+        done = tmp_path / "b-done"
+        first = shlex.join([sys.executable, "-c", A_WAITS_FOR_B, dsn, str(done)])
+        second = shlex.join([sys.executable, "-c", B_CHECKS_A, dsn, str(done)])
+        result = overlap_cli(
+            "--first", first, "--second", second, "--runs", "1", "--dsn", dsn, "--json"
+        )
+        (attempt,) = report_json(result)["attempts"]
+        assert attempt["b_started"] == "inside_transaction"
+        assert attempt["outcome"] == "clean", attempt
+
+    def test_b_starts_anyway_when_a_ends_without_a_transaction(self, overlap_cli, dsn):
+        """A never touches the database: B still runs, and the report says why."""
+        result = overlap_cli("--first", "true", "--second", "true", "--dsn", dsn, "--runs", "2")
+        assert exit_status(result) == 0, result.output
+        assert "attempts 1-2: A finished before it was seen inside a transaction" in result.stdout
+        assert "no database session of A was seen" in result.stdout
+
+    def test_start_after_a_delay(self, overlap_cli, dsn):
+        """--start-after 50ms starts B after the delay, whatever A does."""
+        result = overlap_cli(
+            "--first", "sleep 5", "--second", "true", "--dsn", dsn, "--runs", "1",
+            "--start-after", "50ms", "--timeout", "1s", "--json",
+        )  # fmt: skip
+        (attempt,) = report_json(result)["attempts"]
+        assert attempt["b_started"] == "after_delay"
+        assert attempt["exit_codes"]["B"] == 0
+
+
+class TestTimeout:
+    """An attempt that runs over its --timeout."""
+
+    def test_timeout_kills_both_process_groups(self, overlap_cli, dsn):
+        """Both commands and everything they started are killed; the attempt counts as timeout."""
+        stuck = "sh -c 'sleep 60 & exec sleep 60'"
+        result = overlap_cli(
+            "--first", stuck, "--second", stuck, "--dsn", dsn, "--runs", "1",
+            "--start-after", "0", "--timeout", "1s", "--json",
+        )  # fmt: skip
+        report = report_json(result)
+        (attempt,) = report["attempts"]
+        assert attempt["outcome"] == "timeout"
+        assert attempt["timed_out"] is True
+        assert attempt["exit_codes"] == {"A": 137, "B": 137}
+        assert attempt["duration"] < 10
+        for pid in attempt["pids"].values():
+            jobrun_cli.wait_until(lambda pid=pid: jobrun_cli.group_gone(pid), timeout=5)
+        assert report["timeouts"] == 1
+        assert exit_status(result) == 0  # no deadlock happened
+
+    def test_timeout_before_a_opens_a_transaction(self, overlap_cli, dsn):
+        """A never opens a transaction within the time: B is never started."""
+        result = overlap_cli(
+            "--first", "sleep 60", "--second", "true", "--dsn", dsn, "--runs", "1",
+            "--timeout", "300ms", "--json",
+        )  # fmt: skip
+        (attempt,) = report_json(result)["attempts"]
+        assert attempt["outcome"] == "timeout"
+        assert attempt["b_started"] == "not_started"
+        assert attempt["exit_codes"] == {"A": 137, "B": None}
+        jobrun_cli.wait_until(lambda: jobrun_cli.group_gone(attempt["pids"]["A"]), timeout=5)
+
+    def test_timeout_ends_the_killed_commands_sessions(self, overlap_cli, dsn, accounts):
+        """Sessions stuck behind a lock outlive their killed clients: they are terminated."""
+        blocked = shlex.join([sys.executable, "-c", UPDATE_ROW_1, dsn, accounts])
+        names = ["jobrun-overlap:A:1", "jobrun-overlap:B:1"]
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            holder.execute("BEGIN")
+            holder.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
+            result = overlap_cli(
+                "--first", blocked, "--second", blocked, "--dsn", dsn, "--runs", "1",
+                "--timeout", "1500ms", "--json",
+            )  # fmt: skip
+            left = holder.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = ANY(%s)"
+                " AND datname = current_database()",
+                (names,),
+            ).fetchone()
+            holder.execute("ROLLBACK")
+        report = report_json(result)
+        (attempt,) = report["attempts"]
+        assert attempt["outcome"] == "timeout"
+        assert left == (0,)
+        holders = {wait["held_by"]["job"] for wait in attempt["waits"]}
+        assert "other" in holders, attempt["waits"]
+
+
+class TestCycles:
+    """Finding a wait-for cycle in one look at the sessions."""
+
+    def test_two_sessions(self):
+        """A waits for B, B waits for A."""
+        cycle = overlap.find_cycle(
+            [
+                overlap.Session("B", 20, in_transaction=True, query="q2", blocked_by=(10,)),
+                overlap.Session("A", 10, in_transaction=True, query="q1", blocked_by=(20,)),
+            ]
+        )
+        assert cycle is not None
+        assert [(w.job, w.pid, w.holder_job, w.holder_pid) for w in cycle] == [
+            ("A", 10, "B", 20),
+            ("B", 20, "A", 10),
+        ]
+
+    def test_through_a_second_session_of_a(self):
+        """A1 waits for B, B waits for A2, A2 waits for A1: one cycle of three."""
+        cycle = overlap.find_cycle(
+            [
+                overlap.Session("A", 10, in_transaction=True, query="", blocked_by=(30,)),
+                overlap.Session("A", 11, in_transaction=True, query="", blocked_by=(10,)),
+                overlap.Session("B", 30, in_transaction=True, query="", blocked_by=(11, 99)),
+            ]
+        )
+        assert cycle is not None
+        assert [w.pid for w in cycle] == [10, 30, 11]
+
+    def test_waits_without_a_cycle(self):
+        """Both blocked by an outsider: waits, but no cycle."""
+        assert (
+            overlap.find_cycle(
+                [
+                    overlap.Session("A", 10, in_transaction=True, query="", blocked_by=(99,)),
+                    overlap.Session("B", 20, in_transaction=True, query="", blocked_by=(10,)),
+                ]
+            )
+            is None
+        )
+
+    def test_wait_sentence(self):
+        """The sentence the report prints for one edge."""
+        lock = overlap.Lock("transactionid", "ShareLock", None, "456", "(0,2)", "accounts")
+        wait = overlap.Wait("A", 123, "UPDATE accounts SET x = 1 WHERE id = 2", lock, "B", 124)
+        assert wait.describe() == (
+            "A (pid 123) waits for ShareLock on transaction 456 (row (0,2) of accounts) "
+            "held by B (pid 124) while running: UPDATE accounts SET x = 1 WHERE id = 2"
+        )
+
+
+class TestBadInput:
+    """Bad flags are usage errors (exit 64, one line), found before anything runs."""
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ["--first", "true"],
+            ["--first", "true", "--second", "true", "--runs", "0"],
+            ["--first", "true", "--second", "true", "--runs", "many"],
+            ["--first", "'unclosed", "--second", "true"],
+            ["--first", "  ", "--second", "true"],
+            ["--first", "true", "--second", "true", "--timeout", "soon"],
+            ["--first", "true", "--second", "true", "--timeout", "0"],
+            ["--first", "true", "--second", "true", "--start-after", "later"],
+            ["--first", "true", "--second", "true", "--start-after", "2m", "--timeout", "1m"],
+        ],
+        ids=[
+            "missing-second",
+            "zero-runs",
+            "runs-not-a-number",
+            "unclosed-quote",
+            "empty-command",
+            "bad-timeout",
+            "zero-timeout",
+            "bad-start-after",
+            "start-after-beyond-timeout",
+        ],
+    )
+    def test_usage_error(self, overlap_cli, args):
+        """Exit 64 with a one-line message, and no database is needed to say so."""
+        result = overlap_cli(*args, "--dsn", "host=127.0.0.1 port=1", "--connect-timeout", "1s")
+        assert exit_status(result) == 64, result.exception
+        message = (
+            result.exception.format_message()
+            if isinstance(result.exception, click.ClickException)
+            else str(result.exception)
+        )
+        assert "\n" not in message.strip()
+        assert isinstance(result.exception, (click.ClickException, UsageError))
+
+
+class TestDatabase:
+    """The watched database."""
+
+    def test_unreachable_database_runs_nothing(self, overlap_cli, tmp_path):
+        """Exit 69, and neither command was started."""
+        marker = tmp_path / "ran"
+        touch = shlex.join(["touch", str(marker)])
+        result = overlap_cli(
+            "--first", touch, "--second", touch,
+            "--dsn", "host=127.0.0.1 port=1", "--connect-timeout", "1s",
+        )  # fmt: skip
+        assert isinstance(result.exception, LockStoreUnavailable)
+        assert exit_status(result) == 69
+        assert not marker.exists()
+
+    @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+    def test_report_never_shows_the_password(self, overlap_cli, dsn, as_json):
+        """Not in the database line, nor in a command, nor in a command's output."""
+        password = conninfo_to_dict(dsn).get("password") or f"pw-{uuid.uuid4().hex}"
+        with_password = make_conninfo(dsn, password=password)
+        leaky = shlex.join(["sh", "-c", f"echo 'password={password}' >&2; exit 3"])
+        result = overlap_cli(
+            "--first", leaky, "--second", f"echo {password}", "--dsn", with_password,
+            "--runs", "1", *(["--json"] if as_json else []),
+        )  # fmt: skip
+        assert exit_status(result) == 0, result.output
+        assert password not in result.output
+        assert "password=***" in result.stdout
+        database = conninfo_to_dict(dsn)["dbname"]
+        assert f"/{database}" in result.stdout
+
+
+class TestThroughCli:
+    """``python -m jobrun overlap``: passes once jobrun.cli registers the command."""
+
+    def test_help(self):
+        """--help describes the command and exits 0."""
+        result = jobrun_cli.run("overlap", "--help", dsn=None)
+        assert result.returncode == 0, result.stderr
+        assert "--start-after" in result.stdout
+
+    def test_missing_second_is_exit_64_on_one_line(self, dsn):
+        """One error line on stderr, nothing started."""
+        result = jobrun_cli.run("overlap", "--first", "true", dsn=dsn)
+        assert result.returncode == 64
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "--second" in result.stderr
+
+    def test_unreachable_database_is_exit_69(self):
+        """No database to watch: exit 69 with one line."""
+        result = jobrun_cli.run(
+            "overlap", "--first", "true", "--second", "true", "--connect-timeout", "1s",
+            dsn="host=127.0.0.1 port=1",
+        )  # fmt: skip
+        assert result.returncode == 69
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    def test_deadlock_is_exit_1_and_fixed_is_exit_0(self, dsn, accounts):
+        """The CI use: the deadlocking pair fails, the fixed pair passes."""
+        broken = jobrun_cli.run(
+            "overlap", "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 2, 1),
+            "--runs", "1", dsn=dsn,
+        )  # fmt: skip
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert "1 deadlock (1/1)" in broken.stdout
+        fixed = jobrun_cli.run(
+            "overlap", "--first", job(dsn, accounts, 1, 2), "--second", job(dsn, accounts, 1, 2),
+            "--runs", "1", dsn=dsn,
+        )  # fmt: skip
+        assert fixed.returncode == 0, fixed.stdout + fixed.stderr
