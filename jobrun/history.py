@@ -352,6 +352,7 @@ class Recorder:
                 "started_at": self._acquired_at,
             }
             row = conn.execute(sql.RUNS_FINISH, params).fetchone()
+            self._prune_within(conn)
             return (int(row[0]), row[1]) if row else (streak, since)
 
         deadline = time.monotonic() + self._config.timeout
@@ -361,7 +362,6 @@ class Recorder:
             # run means the database is not answering, and the end must not wait for it.
             self._settle(start_call, min(deadline, start_call.began + self._config.timeout))
         result = self._attempt("recording the end", work, create=True, deadline=deadline)
-        self._prune(deadline)
         self._metrics(
             outcome,
             exit_code,
@@ -413,13 +413,13 @@ class Recorder:
                 "holder": Jsonb(holder_fields, dumps=_json_dumps) if holder_fields else None,
             }
             inserted = conn.execute(sql.RUNS_SKIP, params).fetchone()
+            self._prune_within(conn)
             if inserted is None:  # pragma: no cover - RETURNING always yields the row
                 return streak, since, anyone
             return int(inserted[0]), inserted[1], anyone
 
         deadline = time.monotonic() + self._config.timeout
         result = self._attempt("recording the skip", work, create=True, deadline=deadline)
-        self._prune(deadline)
         self._metrics(
             "skipped",
             exit_code,
@@ -553,16 +553,20 @@ class Recorder:
             note="the job goes on; this run may be missing from the history",
         )
 
-    def _prune(self, deadline: float) -> None:
-        if deadline <= time.monotonic():  # the write took all the time: prune next time
+    def _prune_within(self, conn: Connection) -> None:
+        """Prune the key's old rows in the writing transaction, one connection for both.
+
+        Under a savepoint: a prune that fails (a lock, a privilege) is a debug line and
+        never costs the row just written.
+        """
+        conn.execute(sql.SAVEPOINT_PRUNE)
+        try:
+            conn.execute(sql.RUNS_PRUNE, {"key": self._label, "keep": self._config.keep})
+        except psycopg.Error as exc:
+            conn.execute(sql.ROLLBACK_TO_PRUNE)
+            self._log.debug("history_prune_failed", error=db.one_line(exc, self._target))
             return
-        params = {"key": self._label, "keep": self._config.keep}
-        self._attempt(
-            "pruning old runs",
-            lambda conn: conn.execute(sql.RUNS_PRUNE, params),
-            create=False,
-            deadline=deadline,
-        )
+        conn.execute(sql.RELEASE_PRUNE)
 
     def _metrics(
         self,

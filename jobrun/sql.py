@@ -391,6 +391,9 @@ WHERE l.locktype = 'advisory' AND l.granted
 BEGIN = "BEGIN"
 COMMIT = "COMMIT"
 ROLLBACK = "ROLLBACK"
+SAVEPOINT_PRUNE = "SAVEPOINT prune"
+ROLLBACK_TO_PRUNE = "ROLLBACK TO SAVEPOINT prune"
+RELEASE_PRUNE = "RELEASE SAVEPOINT prune"
 
 # --- jobrun overlap ---
 
