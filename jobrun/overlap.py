@@ -327,7 +327,8 @@ class Report:
         found: dict[tuple[tuple[str | None, ...], ...], tuple[list[int], tuple[Wait, ...]]] = {}
         for attempt in self.attempts:
             if attempt.cycle is not None:
-                signature = tuple(wait.signature() for wait in attempt.cycle)
+                # Sorted: the same cycle found from B's side is still the same cycle.
+                signature = tuple(sorted(wait.signature() for wait in attempt.cycle))
                 found.setdefault(signature, ([], attempt.cycle))[0].append(attempt.number)
         return sorted(found.values(), key=lambda seen: (-len(seen[0]), seen[0][0]))
 

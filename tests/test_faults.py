@@ -118,8 +118,9 @@ class TestSessionLockLost:
     def test_ignore_lets_the_child_finish(self, dsn, key, tmp_path):
         """--on-lock-lost ignore: an error line, and the child's own status."""
         marker = tmp_path / "ignored"
+        log = tmp_path / "jobrun.log"
         proc = jobrun_cli.start(
-            "--key", key, "--on-lock-lost", "ignore", "--",
+            "--key", key, "--on-lock-lost", "ignore", "--log-file", str(log), "--",
             "sh", "-c", f'echo $$ > "{marker}"; while [ ! -e "{marker}.go" ]; do sleep 0.05; done',
             dsn=dsn,
         )  # fmt: skip
@@ -127,14 +128,11 @@ class TestSessionLockLost:
         with psycopg.connect(dsn) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", (backend_of(dsn, key),))
         # The child is told nothing: we let it finish once the loss has been logged.
-        lines: list[str] = []
-        assert proc.stderr is not None
-        wait_until(lambda: _read_until(proc.stderr, lines, '"lock_lost"'), what="lock_lost")
+        wait_until(lambda: '"lock_lost"' in log.read_text(), what="lock_lost")
         Path(f"{marker}.go").touch()
-        _, rest = proc.communicate(timeout=30)
-        stderr = "".join(lines) + rest
+        proc.communicate(timeout=30)
         assert proc.returncode == 0
-        assert event(stderr, "lock_lost")["action"] == "ignore"
+        assert event(log.read_text(), "lock_lost")["action"] == "ignore"
 
     @pytest.mark.fault
     def test_server_restart_stops_the_child(self, private_server, key, children):
@@ -198,14 +196,6 @@ class TestSessionLockLost:
         )
         assert result.returncode == 0, result.stderr
         assert "lock_lost" not in result.stderr
-
-
-def _read_until(stream, lines: list[str], needle: str) -> bool:
-    """Read one line if available; True once a line contains ``needle``."""
-    if select.select([stream], [], [], 0.05)[0]:
-        line = stream.readline()
-        lines.append(line)
-    return any(needle in line for line in lines)
 
 
 class TestPooler:
