@@ -15,10 +15,11 @@ cron and systemd start; it is the fairer figure: no runpy) and through
 over every comparison in turn, so drift in machine load touches all of them alike. The
 ratio is the median of the per-pair ratios.
 
-One more row, for information only (no target): (a) against a Python that does the same
+Two more rows, for information only (no target): (a) against a Python that does the same
 database work by hand (import psycopg, connect, take and release an advisory lock, run
 ``true``), which tells jobrun's own overhead apart from the work that (a)'s baseline
-leaves out.
+leaves out; and the three imports the run path cannot avoid (click, structlog, psycopg)
+against psycopg alone: the floor under (a)'s ratio before jobrun does anything.
 
 Usage::
 
@@ -203,6 +204,16 @@ def comparisons(script: Path | None, key: str) -> list[Comparison]:
             run.command,
             "python: psycopg connect, lock, run true",
             (python, "-c", BY_HAND),
+            None,
+        )
+    )
+    # The floor the run path's three dependencies set, before jobrun does anything.
+    found.append(
+        Comparison(
+            "python -c 'import click, structlog, psycopg'",
+            (python, "-c", "import click, structlog, psycopg"),
+            "python -c 'import psycopg'",
+            import_psycopg,
             None,
         )
     )
