@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity
 
 _ARGV = "jobrun.argv"
+STDIN, STDOUT, STDERR = 0, 1, 2
 
 
 class _Lines(click.ParamType):  # type: ignore[type-arg]
@@ -287,7 +289,14 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
     fd = log.open_log_file(o["log_file"]) if o["log_file"] else None
-    logger = log.configure(fmt=o["log_format"], level=o["log_level"], fd=fd, secrets=target.secrets)
+    logger = log.configure(
+        fmt=o["log_format"],
+        level=o["log_level"],
+        fd=fd,
+        secrets=target.secrets,
+        # A log file that cannot be written (disk full): the lines go to stderr instead.
+        fallback_fd=STDERR if fd is not None else None,
+    )
     identity = Identity(run_id=new_run_id(), pid=os.getpid())
     bound = logger.bind(
         key=keys.describe(run_keys),
@@ -470,6 +479,7 @@ _register_operations()
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: the one place exceptions become exit statuses."""
+    _open_standard_fds()
     try:
         status = cli.main(args=argv, prog_name="jobrun", standalone_mode=False)
     except click.exceptions.Exit as exc:  # --help, --version
@@ -490,5 +500,29 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.exit(int(status or 0))
 
 
+def _open_standard_fds() -> None:
+    """Point a closed stdin, stdout or stderr at /dev/null.
+
+    WARNING: a closed descriptor 0-2 (``2>&-`` in a crontab) is the first one the next
+    ``open`` or ``socket`` returns: the lock session's socket would become "stderr" and our
+    log lines would be written into the PostgreSQL protocol stream.
+    """
+    for fd in (STDIN, STDOUT, STDERR):
+        if not _is_open(fd):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _error(message: str) -> None:
-    click.echo(f"jobrun: error: {' '.join(message.split())}", err=True)
+    with contextlib.suppress(OSError):  # a closed or full stderr must not end in a traceback
+        click.echo(f"jobrun: error: {' '.join(message.split())}", err=True)

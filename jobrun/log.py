@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, TextIO
 
@@ -15,6 +14,7 @@ from jobrun.exitcodes import UsageError
 FORMATS = ("auto", "json", "logfmt", "console")
 LEVELS = ("debug", "info", "warning", "error")
 _LEVEL_NUMBERS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+STDERR = 2
 
 Processor = Callable[[Any, str, MutableMapping[str, Any]], Any]
 
@@ -24,19 +24,32 @@ class LineWriter:
 
     WARNING: a log file is opened with O_APPEND and written unbuffered on purpose: several
     jobrun processes (a crontab full of them) share one file.
+
+    WARNING: a write that fails (a full disk, a closed or broken stderr) must never stop a
+    guarded run halfway: the line goes to ``fallback`` (stderr when the log is a file), and
+    when that fails too it is lost, but the run goes on and ends as it would have.
     """
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+    def __init__(self, fd: int, fallback: int | None = None) -> None:
+        self._fds = (fd,) if fallback is None or fallback == fd else (fd, fallback)
 
     def msg(self, message: str) -> None:
         """Write one rendered event and its newline."""
         data = (message + "\n").encode("utf-8", "backslashreplace")
-        while data:
-            written = os.write(self._fd, data)
-            data = data[written:]
+        for fd in self._fds:
+            try:
+                _write_all(fd, data)
+            except OSError:
+                continue
+            return
 
     debug = info = warning = error = critical = exception = msg
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
 
 
 def open_log_file(path: str) -> int:
@@ -95,9 +108,14 @@ def configure(
     fd: int | None = None,
     secrets: Iterable[str] = (),
     stream: TextIO | None = None,
+    fallback_fd: int | None = None,
 ) -> structlog.typing.FilteringBoundLogger:
-    """Build the logger every module receives (no global configuration is touched)."""
-    target = fd if fd is not None else (stream or sys.stderr).fileno()
+    """Build the logger every module receives (no global configuration is touched).
+
+    Lines go to ``fd`` (else ``stream``, else stderr); a line that cannot be written there
+    goes to ``fallback_fd``.
+    """
+    target = fd if fd is not None else stream.fileno() if stream is not None else STDERR
     if fmt == "auto":
         fmt = "console" if fd is None and os.isatty(target) else "json"
     renderer: Processor
@@ -119,7 +137,7 @@ def configure(
         renderer,
     ]
     logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(
-        LineWriter(target),
+        LineWriter(target, fallback_fd),
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVEL_NUMBERS[level]),
         cache_logger_on_first_use=True,

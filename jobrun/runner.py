@@ -230,19 +230,19 @@ class _GuardedRun:
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
             recorder.exec_failed(exc.exit_code)
             return exc.exit_code
-        log.info("started", command=job.argv[0], child_pid=child.pid, guarded=lock is not None)
-        recorder.started(child.pid)
         watchdog = None
-        if lock is not None:
-            watchdog = Watchdog(
-                lock,
-                interval=job.heartbeat,
-                confirmed_at=lock.confirmed_at,
-                wake=supervise.wake_main_thread(),
-                log=log,
-            )
-            watchdog.start()
         try:
+            log.info("started", command=job.argv[0], child_pid=child.pid, guarded=lock is not None)
+            recorder.started(child.pid)
+            if lock is not None:
+                watchdog = Watchdog(
+                    lock,
+                    interval=job.heartbeat,
+                    confirmed_at=lock.confirmed_at,
+                    wake=supervise.wake_main_thread(),
+                    log=log,
+                )
+                watchdog.start()
             ending = supervise.supervise(
                 child,
                 timeout=job.timeout,
@@ -259,6 +259,11 @@ class _GuardedRun:
             )
             if lock is not None and job.min_hold and outcome != "lock_lost":
                 _hold(started + job.min_hold, log)
+        except BaseException:
+            # WARNING: jobrun itself failed (a bug) while the child may still run: the lock
+            # is released next, so the child's group dies first (at most one run, always).
+            supervise.abort(child)
+            raise
         finally:
             if watchdog is not None:
                 watchdog.stop()

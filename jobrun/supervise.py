@@ -274,6 +274,25 @@ class _Supervision:
         self.group.send(signal.SIGTERM)
 
 
+def abort(child: subprocess.Popen[bytes]) -> None:
+    """Kill the child's whole group now and reap it: jobrun cannot supervise it any longer.
+
+    For a failure of jobrun itself while the child runs: the lock is released right after,
+    so nothing of the job may be left running beside the next run.
+    """
+    group = _Group(child.pid)
+    group.send(signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        child.wait()
+    deadline = time.monotonic() + 2.0
+    while True:
+        _reap_orphans()
+        if not group.alive() or time.monotonic() >= deadline:
+            return
+        group.send(signal.SIGKILL)
+        time.sleep(_GROUP_POLL)
+
+
 def linger(seconds: float) -> int | None:
     """Sleep ``seconds`` with the child gone; return early with the signal that ends it."""
     deadline = time.monotonic() + seconds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -542,3 +544,103 @@ class TestMinHold:
         assert event(result.stderr, "holding")["seconds"] <= 1.0
         assert finished["duration"] < 1.0  # the child's own duration, not the hold
         assert started["run_id"] == finished["run_id"]
+
+
+#: jobrun with a bug injected into the supervisor: it raises once the child has written its
+#: pid (the child's group includes a grandchild that PDEATHSIG alone would not stop).
+BROKEN_SUPERVISOR = """
+import os, sys, time
+from jobrun import cli, supervise
+
+def broken(child, **_options):
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    raise RuntimeError("injected bug")
+
+supervise.supervise = broken
+cli.main(sys.argv[2:])
+"""
+
+
+class TestJobrunItselfFails:
+    """Trouble inside jobrun never leaves the job running beside the next run."""
+
+    def test_unwritable_log_file_falls_back_to_stderr(self, dsn, key, tmp_path):
+        """--log-file on a full disk: the child still runs and the lines go to stderr."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--log-file", "/dev/full", "--", "touch", str(marker), dsn=dsn
+        )
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+        assert event(result.stderr, "finished")["outcome"] == "succeeded"
+
+    def test_unwritable_stderr_never_stops_the_job(self, dsn, key, tmp_path):
+        """stderr on a full disk: the lines are lost, the run is not."""
+        marker = tmp_path / "ran"
+        with Path("/dev/full").open("w") as full:
+            completed = subprocess.run(
+                [*jobrun_cli.JOBRUN, "--key", key, "--", "sh", "-c", f'touch "{marker}"; exit 3'],
+                env=jobrun_cli.environment(dsn),
+                stderr=full,
+                timeout=60,
+                check=False,
+            )
+        assert completed.returncode == 3
+        assert marker.exists()
+        assert advisory_holders(dsn, key) == []
+
+    def test_closed_stderr_is_not_confused_with_the_database_socket(self, dsn, key, tmp_path):
+        """``2>&-``: the log lines must not be written into the lock session's socket."""
+        marker = tmp_path / "ran"
+        command = [*jobrun_cli.JOBRUN, "--key", key, "--", "touch", str(marker)]
+        completed = subprocess.run(
+            ["sh", "-c", 'exec "$@" 2>&-', "sh", *command],
+            env=jobrun_cli.environment(dsn),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert completed.returncode == 0, completed.stdout
+        assert marker.exists()
+        with psycopg.connect(dsn) as conn:
+            (outcome,) = conn.execute(
+                "SELECT outcome FROM jobrun.runs WHERE key = %s ORDER BY started_at DESC LIMIT 1",
+                (key,),
+            ).fetchone() or (None,)
+        assert outcome == "succeeded"
+
+    def test_a_bug_while_the_child_runs_kills_its_group_before_the_release(
+        self, dsn, key, tmp_path
+    ):
+        """exit 70, and a run waiting for the lock finds nothing of the first job alive."""
+        pidfile, verdict = tmp_path / "pid", tmp_path / "verdict"
+        broken = subprocess.Popen(
+            [sys.executable, "-c", BROKEN_SUPERVISOR, str(pidfile), "--key", key, "--",
+             "sh", "-c", f'sleep 300 & echo $$ > "{pidfile}"; wait'],
+            env=jobrun_cli.environment(dsn),
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            group = int(wait_for_file(pidfile))
+            # Queued behind the broken run: it gets the lock the moment that run lets go.
+            alive = f"kill -0 -- -{group} 2>/dev/null && echo alive || echo gone"
+            waiter = jobrun_cli.run(
+                "--key", key, "--wait", "30s", "--", "sh", "-c", f'{alive} > "{verdict}"', dsn=dsn
+            )  # fmt: skip
+            _, stderr = broken.communicate(timeout=30)
+            assert broken.returncode == 70, stderr
+            assert "internal error: RuntimeError: injected bug" in stderr
+            assert waiter.returncode == 0, waiter.stderr
+            assert verdict.read_text().strip() == "gone"
+            assert jobrun_cli.group_gone(group)
+        finally:
+            if pidfile.exists():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+            if broken.poll() is None:
+                broken.kill()
+                broken.communicate()
