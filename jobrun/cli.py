@@ -231,6 +231,8 @@ def cli(ctx: click.Context, /, **options: Any) -> int | None:
     argv: tuple[str, ...] | None = ctx.meta.get(_ARGV)
     if not argv:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
+    if not argv[0]:
+        raise UsageError("the command after '--' is an empty string")
     dsn_on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
     return _run(argv, dsn_on_command_line=dsn_on_command_line, argv0=argv[0], **options)
 

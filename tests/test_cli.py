@@ -25,6 +25,7 @@ BAD_INVOCATIONS = {
     "bad on-db-error": ["--key", "k", "--on-db-error", "maybe", "--", "true"],
     "no command": ["--key", "k"],
     "nothing after --": ["--key", "k", "--"],
+    "empty command": ["--key", "k", "--", ""],
     "forgot --": ["--key", "k", "echo", "hi"],
     "no key": ["--", "true"],
     "unknown option": ["--key", "k", "--frobnicate", "--", "true"],
@@ -34,6 +35,9 @@ BAD_INVOCATIONS = {
 }
 
 
+TOUCH_MARKER = ["sh", "-c", 'touch "$MARKER"']
+
+
 class TestBadInput:
     """Every mistake a user can make on the command line."""
 
@@ -41,7 +45,8 @@ class TestBadInput:
     def test_exits_64_with_one_line_and_no_traceback(self, argv, tmp_path):
         """Exit 64, exactly one line on stderr, no traceback, and the child never ran."""
         marker = tmp_path / "ran"
-        argv = [a if a != "true" else "true" for a in argv]
+        # "true" stands for a child that would leave a mark if it ever ran.
+        argv = [part for a in argv for part in (TOUCH_MARKER if a == "true" else [a])]
         result = jobrun_cli.run(*argv, dsn="host=127.0.0.1 port=1", env={"MARKER": str(marker)})
         assert result.returncode == 64, result.stderr
         lines = result.stderr.strip().splitlines()
