@@ -7,8 +7,11 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 # --- session mode: advisory locks on a dedicated connection ---------------------------------
 
 #: Make the lock session immune to server-side idle timeouts (PITFALLS 2). 14+ knows both.
-SESSION_IMMUNE_14 = "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0"
-SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0"
+SESSION_IMMUNE_14 = (
+    "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0; "
+    "SET statement_timeout = 0"
+)
+SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
 
 #: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
 #: them), so the server ends the session of a host that vanished (PITFALLS 3).

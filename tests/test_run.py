@@ -212,6 +212,21 @@ class TestHeld:
         assert result.returncode == 75
         assert event(result.stderr, "skipped")["holder_pid"] == holder.pid
 
+    def test_a_server_statement_timeout_shorter_than_the_wait_still_skips(self, dsn, key, tmp_path):
+        """A role's statement_timeout (here 300ms, via PGOPTIONS) cannot cut --wait short."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run(
+                "--key", key, "--wait", "1s", "--", "true",
+                dsn=dsn, env={"PGOPTIONS": "-c statement_timeout=300"},
+            )  # fmt: skip
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 75, result.stderr
+        assert event(result.stderr, "skipped")["holder_pid"] == holder.pid
+
 
 def advisory_waiters(dsn: str) -> list[int]:
     """Backends waiting for any advisory lock."""
