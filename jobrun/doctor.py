@@ -88,7 +88,14 @@ def _connection(conn: Connection, target: db.Target) -> Finding:
 
 
 def _server(conn: Connection) -> Finding:
-    version, number = _one(conn, sql.DOCTOR_SERVER)
+    version, number, standby = _one(conn, sql.DOCTOR_SERVER)
+    if standby:
+        return Finding(
+            FAIL,
+            "server",
+            f"PostgreSQL {version} is a standby: locks there are not shared with the primary "
+            "or other standbys; point jobrun at the primary (target_session_attrs=read-write)",
+        )
     if int(number) < MIN_TESTED_VERSION:
         return Finding(WARN, "server", f"PostgreSQL {version}: older than 12, untested")
     return Finding(OK, "server", f"PostgreSQL {version}")

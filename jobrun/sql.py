@@ -14,11 +14,13 @@ SESSION_IMMUNE_14 = (
 SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
 
 #: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
-#: them), so the server ends the session of a host that vanished (PITFALLS 3).
-SESSION_SERVER_KEEPALIVES = """
+#: them), so the server ends the session of a host that vanished (PITFALLS 3); and whether
+#: the server is a standby (its advisory locks are its own: shared with nobody else).
+SESSION_SETUP = """
 SELECT set_config('tcp_keepalives_idle', %s, false),
        set_config('tcp_keepalives_interval', '2', false),
-       set_config('tcp_keepalives_count', '3', false)
+       set_config('tcp_keepalives_count', '3', false),
+       pg_is_in_recovery()
 """
 
 TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
@@ -323,7 +325,10 @@ ORDER BY k.key
 
 # --- doctor -----------------------------------------------------------------------------------
 
-DOCTOR_SERVER = "SELECT current_setting('server_version'), current_setting('server_version_num')"
+DOCTOR_SERVER = """
+SELECT current_setting('server_version'), current_setting('server_version_num'),
+       pg_is_in_recovery()
+"""
 
 DOCTOR_ROLE = """
 SELECT current_user, r.rolsuper,

@@ -193,6 +193,16 @@ class TestSettings:
         assert "1min" in row["detail"]
         assert "sets it to 0" in row["detail"]
 
+    def test_a_standby_fails(self, doctor, private_server):
+        """A standby's locks are its own: FAIL, and the way out named."""
+        private_server.become_standby()
+        result = doctor(private_server.dsn(), "--json")
+        row = findings(result)["server"]
+        assert row["status"] == "FAIL"
+        assert "standby" in row["detail"]
+        assert "target_session_attrs=read-write" in row["detail"]
+        assert result.return_value == 1
+
     def test_long_server_keepalives_are_a_note_not_a_warning(self, doctor, private_server_factory):
         """Default keepalives over TCP: OK, because the lock session sets its own."""
         server = private_server_factory({"tcp_keepalives_idle": "7200"})

@@ -198,6 +198,34 @@ class TestSessionLockLost:
         assert "lock_lost" not in result.stderr
 
 
+class TestStandby:
+    """A standby's advisory locks are its own: jobrun refuses to lock there."""
+
+    def test_session_mode_refuses_a_standby(self, private_server, key, tmp_path):
+        """Exit 69 with reason standby; the child never starts."""
+        private_server.become_standby()
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--", "touch", str(marker), dsn=private_server.dsn()
+        )  # fmt: skip
+        assert result.returncode == 69, result.stderr
+        unavailable = event(result.stderr, "lockstore_unavailable")
+        assert unavailable["reason"] == "standby"
+        assert "target_session_attrs=read-write" in unavailable["error"]
+        assert not marker.exists()
+
+    def test_lease_mode_fails_closed_on_a_standby(self, private_server, key, tmp_path):
+        """The lease cannot be written: exit 69, the child never starts."""
+        private_server.become_standby()
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--mode", "lease", "--", "touch", str(marker), dsn=private_server.dsn()
+        )  # fmt: skip
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["level"] == "error"
+        assert not marker.exists()
+
+
 class TestPooler:
     """PgBouncer in transaction mode: session mode refused, lease mode works."""
 

@@ -80,8 +80,17 @@ class SessionLock:
                     if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
                     else sql.SESSION_IMMUNE
                 )
-                conn.execute(sql.SESSION_SERVER_KEEPALIVES, (str(self._server_keepalive_idle),))
-                pooler = db.detect_transaction_pooler(conn, self._target, app_name=self._app_name)
+                setup = conn.execute(
+                    sql.SESSION_SETUP, (str(self._server_keepalive_idle),)
+                ).fetchone()
+                standby = bool(setup and setup[-1])
+                pooler = (
+                    None
+                    if standby
+                    else db.detect_transaction_pooler(conn, self._target, app_name=self._app_name)
+                )
+            if standby:
+                _refuse_standby()
             if pooler:
                 _refuse_pooler(pooler)
             with db.translate_errors(self._target, "taking the advisory lock"):
@@ -208,6 +217,17 @@ def _refuse_pooler(why: str) -> None:
         "would be stranded on a backend we no longer talk to. Connect directly (or through "
         "a session-mode pooler), or use --mode lease",
         reason="transaction_pooler",
+    )
+
+
+def _refuse_standby() -> None:
+    # WARNING: a standby grants advisory locks that nobody else sees: two hosts that reach
+    # two different servers (a read endpoint, a multi-host DSN) would both run the job.
+    raise LockStoreUnavailable(
+        "the server is a standby (in recovery): its advisory locks are not shared with the "
+        "primary or the other standbys, so they cannot keep a job to one run. Point --dsn "
+        "at the primary (with several hosts: target_session_attrs=read-write)",
+        reason="standby",
     )
 
 

@@ -427,6 +427,19 @@ class PgServer:
         self.stop("fast")
         self.start_again()
 
+    def become_standby(self) -> None:
+        """Restart as a hot standby (read-only, in recovery) of a primary that never answers.
+
+        After a clean shutdown the standby is consistent at once and accepts connections.
+        """
+        self.stop("fast")
+        signal_file = self.data_dir / "standby.signal"
+        signal_file.touch()
+        run_as = RunAs.for_servers()
+        if run_as.user is not None and run_as.group is not None:
+            os.chown(signal_file, run_as.user, run_as.group)
+        self.start_again()
+
     def kill(self) -> None:
         """Crash: SIGKILL the postmaster and its children, as an OOM kill or power cut would.
 
