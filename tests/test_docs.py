@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
 
 from jobrun.exitcodes import TABLE
+from support import jobrun_cli
+
+if TYPE_CHECKING:
+    from _pytest.mark.structures import ParameterSet
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -30,3 +38,52 @@ class TestReadme:
         """Every example the README links to is in the tree."""
         for link in re.findall(r"\]\((examples/[^)]+)\)", README):
             assert (ROOT / link).exists(), link
+
+
+#: ``jobrun --OPTION ... -- COMMAND`` at the end of a line (crontab, ExecStart=, a CI step).
+_GUARDED_RUN = re.compile(r"(?:^|[\s=/])jobrun (--[^`]*? -- [^`]+)$")
+#: ``JOBRUN_X=value`` settings (crontab variable lines, systemd Environment=).
+_SETTING = re.compile(r"^(?:Environment=)?(JOBRUN_[A-Z_]+)=(\S*)$")
+DOCUMENTS = [
+    ROOT / "README.md",
+    *sorted(path for path in (ROOT / "examples").rglob("*") if path.is_file()),
+]
+
+
+def _guarded_runs() -> list[ParameterSet]:
+    found = []
+    for path in DOCUMENTS:
+        settings = {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("#"):
+                continue
+            setting = _SETTING.match(line.strip())
+            if setting and setting[1] not in {"JOBRUN_DSN", "JOBRUN_LOG_FILE"}:
+                settings[setting[1]] = setting[2].strip("\"'")
+            match = _GUARDED_RUN.search(line)
+            if match:
+                name = f"{path.relative_to(ROOT)}:{number}"
+                found.append(pytest.param(match[1], dict(settings), id=name))
+    return found
+
+
+class TestExamples:
+    """Every documented command line is one that jobrun accepts."""
+
+    def test_documents_have_command_lines(self):
+        """The search below finds the examples (a broken pattern would pass vacuously)."""
+        assert len(_guarded_runs()) >= 8  # README, crontab, systemd, both CI files
+
+    @pytest.mark.parametrize(("line", "settings"), _guarded_runs())
+    def test_options_are_accepted(self, line, settings, tmp_path):
+        """Parsed and validated, it gets as far as connecting (69 here), never exit 64."""
+        words = shlex.split(line)
+        options = words[: words.index("--")]
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            *options, "--", "touch", str(marker),
+            dsn="host=127.0.0.1 port=1 connect_timeout=1", env=settings,
+        )  # fmt: skip
+        assert result.returncode == 69, result.stderr
+        assert jobrun_cli.event(result.stderr, "lockstore_unavailable")["reason"] == "unreachable"
+        assert not marker.exists()
