@@ -193,6 +193,8 @@ def supervise(
     )
     while child.poll() is None:
         supervision.step()
+        # What the job daemonized and has exited since: no zombies pile up in a long run.
+        _reap_orphans(keep=child.pid)
     _clear_group(
         supervision.group,
         stopping=supervision.stopped_for is not None,
@@ -311,11 +313,20 @@ def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) 
         group.send(info.si_signo)
 
 
-def _reap_orphans() -> None:
-    """Collect exited descendants that were re-parented to us (we are their subreaper)."""
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+def _reap_orphans(keep: int | None = None) -> None:
+    """Collect exited descendants that were re-parented to us (we are their subreaper).
+
+    ``keep`` is left for its owner to reap: the child itself, whose status Popen must see.
+    """
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # no children at all
+            return
+        if info is None or info.si_pid == keep:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
 
 
 def _clear_group(

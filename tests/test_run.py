@@ -363,6 +363,32 @@ class TestTimeout:
         assert event(result.stderr, "leftover_processes")["action"] == "SIGTERM"
 
 
+class TestDaemonizedDescendants:
+    """jobrun is the subreaper of what the job daemonizes: it reaps them as they exit."""
+
+    def test_exited_orphans_are_reaped_while_the_child_runs(self, dsn, key, tmp_path):
+        """No zombies pile up under a long-running job that keeps starting helpers."""
+        pids, ready, go = tmp_path / "pids", tmp_path / "ready", tmp_path / "go"
+        script = (
+            f'for i in 1 2 3 4 5; do (sleep 0.1 & echo $! >> "{pids}"); done; echo x > "{ready}"; '
+            f'while [ ! -e "{go}" ]; do sleep 0.05; done'
+        )
+        proc = jobrun_cli.start("--key", key, "--", "sh", "-c", script, dsn=dsn)
+        try:
+            wait_for_file(ready)
+            orphans = [int(pid) for pid in pids.read_text().split()]
+            assert len(orphans) == 5
+            wait_until(
+                lambda: not any(Path(f"/proc/{pid}").exists() for pid in orphans),
+                timeout=10,
+                what="the exited orphans to be reaped",
+            )
+        finally:
+            go.touch()
+            _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+
+
 class TestExecFailures:
     """A command that cannot start: 126/127, logged, lock released."""
 
