@@ -6,6 +6,8 @@ import re
 
 from jobrun.exitcodes import UsageError
 
+#: Ten years: longer is a typo (and some of it would not fit PostgreSQL's intervals).
+MAX_SECONDS = 3650 * 86400.0
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _WHOLE = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
@@ -15,12 +17,16 @@ def parse(text: str, *, option: str = "duration") -> float:
     """Seconds in ``text``; a bare number means seconds. Raise UsageError otherwise."""
     value = text.strip().lower()
     if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        return float(value)
-    if not _WHOLE.fullmatch(value):
+        seconds = float(value)
+    elif _WHOLE.fullmatch(value):
+        seconds = sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(value))
+    else:
         raise UsageError(
             f"{option}: {text!r} is not a duration (examples: 90, 30s, 5m, 1h30m, 250ms, 1d)"
         )
-    return sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(value))
+    if not seconds <= MAX_SECONDS:  # also false for inf: a run of 400 digits overflows
+        raise UsageError(f"{option}: {text!r} is too long (at most 3650d)")
+    return seconds
 
 
 def format_seconds(seconds: float) -> str:

@@ -146,6 +146,10 @@ def run(
         with _interruptible():
             return guarded.run()
     except Interrupted as exc:
+        if guarded.status is not None:
+            # The signal came after the run was over (the lock already released): the
+            # child's status stands.
+            return guarded.status
         log.warning("interrupted", signal=str(exc), child_started=False)
         return 128 + exc.signum
     finally:
@@ -172,6 +176,8 @@ class _GuardedRun:
         self.environ = environ
         self.log = log
         self.recorder = recorder
+        #: jobrun's exit status, once the run is over.
+        self.status: int | None = None
 
     def run(self) -> int:
         job, log = self.job, self.log
@@ -183,44 +189,75 @@ class _GuardedRun:
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
-                return self._run_child(child_mask, lock=None, recorder=_NoRecorder())
+                self.status = self._run_child(child_mask, watchdog=None, recorder=_NoRecorder())
+            return self.status
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
             self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
             return job.skip_exit_code
-        # From here on, signals wait for the supervisor (or are dropped during the release).
-        with supervise.signals_held() as child_mask:
-            try:
+        try:
+            # From here on, signals wait for the supervisor (or are dropped during the release).
+            with supervise.signals_held() as child_mask:
                 try:
-                    earlier = self.recorder.acquired(job.once_per)
-                except LockStoreUnavailable as exc:  # --once-per cannot be checked
-                    checked_anyway = job.on_db_error == "run"
-                    log.error(
-                        exc.event,
-                        reason=exc.reason,
-                        error=str(exc),
-                        running_unguarded=False,
-                        running_unchecked=checked_anyway,
-                    )
-                    if not checked_anyway:
-                        return exc.exit_code
-                    earlier = None
-                if earlier is not None:
-                    fields = {f"previous_{name}": value for name, value in earlier.items()}
-                    log.info(
-                        "skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields
-                    )
-                    self.recorder.skipped("already_ran", fields, job.skip_exit_code)
-                    return job.skip_exit_code
-                return self._run_child(child_mask, lock=self.lock, recorder=self.recorder)
-            finally:
-                self.lock.release()
+                    self.status = self._run_held(child_mask)
+                finally:
+                    self.lock.release()
+        except BaseException:
+            # A signal in the instant between the acquisition and signals_held(): no lock
+            # may be left behind (a lease would otherwise stay taken until its TTL).
+            self.lock.release()
+            raise
+        return self.status
+
+    def _run_held(self, child_mask: frozenset[int]) -> int:
+        """With the lock taken: consult the history, then run the child, watched throughout."""
+        job, log = self.job, self.log
+        # WARNING: the lock is watched from the moment it is taken, not only once the child
+        # runs: the history may take seconds, and a lock lost meanwhile must keep the child
+        # from starting at all (another run may already have it).
+        watchdog = Watchdog(
+            self.lock,
+            interval=job.heartbeat,
+            confirmed_at=self.lock.confirmed_at,
+            wake=supervise.wake_main_thread(),
+            log=log,
+        )
+        watchdog.start()
+        try:
+            try:
+                earlier = self.recorder.acquired(job.once_per)
+            except LockStoreUnavailable as exc:  # --once-per cannot be checked
+                checked_anyway = job.on_db_error == "run"
+                log.error(
+                    exc.event,
+                    reason=exc.reason,
+                    error=str(exc),
+                    running_unguarded=False,
+                    running_unchecked=checked_anyway,
+                )
+                if not checked_anyway:
+                    return exc.exit_code
+                earlier = None
+            if earlier is not None:
+                fields = {f"previous_{name}": value for name, value in earlier.items()}
+                log.info("skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields)
+                self.recorder.skipped("already_ran", fields, job.skip_exit_code)
+                return job.skip_exit_code
+            return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)
+        finally:
+            watchdog.stop()
 
     def _run_child(
-        self, child_mask: frozenset[int], *, lock: Lock | None, recorder: Recorder
+        self, child_mask: frozenset[int], *, watchdog: Watchdog | None, recorder: Recorder
     ) -> int:
-        """Spawn and supervise the child under ``lock`` (None: unguarded)."""
+        """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded)."""
         job, log = self.job, self.log
+        if watchdog is not None:
+            lost = watchdog.lost_before_start()
+            if lost is not None:
+                log.error("lock_lost", reason=lost, action="not_started")
+                recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
+                return int(Exit.LOCK_LOST)
         env = child_environment(self.environ, job, self.identity.run_id)
         supervise.become_subreaper()
         started = time.monotonic()
@@ -230,19 +267,10 @@ class _GuardedRun:
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
             recorder.exec_failed(exc.exit_code)
             return exc.exit_code
-        watchdog = None
         try:
-            log.info("started", command=job.argv[0], child_pid=child.pid, guarded=lock is not None)
+            guarded = watchdog is not None
+            log.info("started", command=job.argv[0], child_pid=child.pid, guarded=guarded)
             recorder.started(child.pid)
-            if lock is not None:
-                watchdog = Watchdog(
-                    lock,
-                    interval=job.heartbeat,
-                    confirmed_at=lock.confirmed_at,
-                    wake=supervise.wake_main_thread(),
-                    log=log,
-                )
-                watchdog.start()
             ending = supervise.supervise(
                 child,
                 timeout=job.timeout,
@@ -257,16 +285,13 @@ class _GuardedRun:
             recorder.finished(
                 outcome, status, ending.signal_name, ending.duration, defer_alerts=True
             )
-            if lock is not None and job.min_hold and outcome != "lock_lost":
+            if guarded and job.min_hold and outcome != "lock_lost":
                 _hold(started + job.min_hold, log)
         except BaseException:
             # WARNING: jobrun itself failed (a bug) while the child may still run: the lock
             # is released next, so the child's group dies first (at most one run, always).
             supervise.abort(child)
             raise
-        finally:
-            if watchdog is not None:
-                watchdog.stop()
         return status
 
 

@@ -9,7 +9,10 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 #: Make the lock session immune to server-side idle timeouts (PITFALLS 2). 14+ knows both.
 SESSION_IMMUNE_14 = (
     "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0; "
-    "SET statement_timeout = 0"
+    "SET statement_timeout = 0; "
+    # A --wait for the next key blocks the backend in pg_advisory_lock: without this it
+    # would notice a killed jobrun only when the wait ends, holding the keys already taken.
+    "SET client_connection_check_interval = '1s'"
 )
 SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
 

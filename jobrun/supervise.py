@@ -344,6 +344,10 @@ def _clear_group(
         log.warning("leftover_processes", action="SIGTERM", kill_after=kill_after)
         group.send(signal.SIGTERM)
         kill_at = time.monotonic() + kill_after
+    elif math.isinf(kill_at):
+        # SIGKILL went out already: what is still "alive" cannot be killed (a zombie that
+        # is not ours to reap, a process in uninterruptible sleep). Once more, then go on.
+        kill_at = time.monotonic()
     for signum in (signal.SIGKILL, None):
         while group.alive() and time.monotonic() < kill_at:
             _wait_and_forward(min(_GROUP_POLL, kill_at - time.monotonic()), group, log)

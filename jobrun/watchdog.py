@@ -42,6 +42,8 @@ class Watchdog:
         self._log = log
         self.lost: str | None = None
         self.stop_at = confirmed_at + lock.confirmation_lifetime
+        # The acquisition was the first confirmation: the first check is one interval later.
+        self._first_check = confirmed_at + interval
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._loop, name="jobrun-heartbeat", daemon=True)
 
@@ -60,6 +62,14 @@ class Watchdog:
         if not self._thread.is_alive():
             os.close(self._stop_r)
 
+    def lost_before_start(self) -> str | None:
+        """Why the lock can no longer be vouched for (None: it can), asked before spawning."""
+        if self.lost is not None:
+            return self.lost
+        if time.monotonic() >= self.stop_at:
+            return "the lock could not be confirmed in time (no heartbeat answer)"
+        return None
+
     def _stopping(self) -> bool:
         import select  # noqa: PLC0415 - only the heartbeat thread needs it
 
@@ -67,6 +77,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         failures = 0
+        self._lock.pause(self._first_check - time.monotonic(), self._stop_r)
         while not self._stopping():
             sent = time.monotonic()
             try:

@@ -198,6 +198,66 @@ class TestSessionLockLost:
         assert "lock_lost" not in result.stderr
 
 
+class TestLostBeforeTheChildStarts:
+    """The lock is watched from the moment it is taken, not only once the child runs."""
+
+    def test_lock_lost_while_the_history_is_slow_never_starts_the_child(self, dsn, key, children):
+        """Lost during a slow history call: exit 76, lock_lost, and no child at all."""
+        assert jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 0
+        with psycopg.connect(dsn, autocommit=True) as admin, psycopg.connect(dsn) as blocker:
+            # A "running" row whose row lock we hold: the next run's check for abandoned
+            # runs waits on it (up to its 5 s statement timeout).
+            admin.execute("UPDATE jobrun.runs SET outcome = 'running' WHERE key = %s", (key,))
+            blocker.execute("SELECT 1 FROM jobrun.runs WHERE key = %s FOR UPDATE", (key,))
+            argv, marker = children.argv()
+            proc = jobrun_cli.start("--key", key, "--", *argv, dsn=dsn)
+            try:
+                wait_until(lambda: _row_lock_waiters(admin) > 0, what="the history to wait")
+                admin.execute("SELECT pg_terminate_backend(%s)", (backend_of(dsn, key),))
+                _, stderr = proc.communicate(timeout=30)
+            finally:
+                blocker.rollback()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        assert proc.returncode == 76, stderr
+        assert event(stderr, "lock_lost")["action"] == "not_started"
+        assert '"started"' not in stderr
+        assert not marker.exists()
+
+    def test_kill_9_while_waiting_for_the_next_key_frees_the_first(self, dsn, key):
+        """--wait on the second key: the server notices the dead client within seconds."""
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            if holder.info.server_version < 140000:  # PostgreSQL 14
+                pytest.skip("client_connection_check_interval needs PostgreSQL 14")
+            first, second = sorted((f"{key}-a", f"{key}-b"), key=keys.lock_id_for)
+            holder.execute("SELECT pg_advisory_lock(%s)", (keys.lock_id_for(second),))
+            proc = jobrun_cli.start(
+                "--key", first, "--key", second, "--wait", "120s", "--", "true", dsn=dsn
+            )  # fmt: skip
+            try:
+                wait_until(lambda: _advisory_waiters(holder) > 0, what="jobrun to wait")
+            finally:
+                proc.kill()
+                proc.communicate(timeout=10)
+            after = jobrun_cli.run("--key", first, "--wait", "15s", "--", "true", dsn=dsn)
+        assert after.returncode == 0, after.stderr
+
+
+def _row_lock_waiters(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _advisory_waiters(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
 class TestStandby:
     """A standby's advisory locks are its own: jobrun refuses to lock there."""
 
@@ -282,6 +342,18 @@ class TestLeaseFaults:
         assert after.returncode == 0, after.stderr
         assert event_time(event(after.stderr, "started")) >= expires
         assert children.overlaps() == []
+
+    def test_partial_loss_releases_the_leases_still_held(self, dsn, key, children):
+        """One of two leases taken away: exit 76, and the other one is free at once."""
+        keep, lose = f"{key}-keep", f"{key}-lose"
+        args = ("--mode", "lease", "--ttl", "60s", "--kill-after", "1s", "--heartbeat", "500ms")
+        proc, _ = start_holder(children, "--key", keep, "--key", lose, *args, dsn=dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(lose),))
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 76, stderr
+        after = jobrun_cli.run("--key", keep, *args, "--", "true", dsn=dsn)
+        assert after.returncode == 0, after.stderr
 
     @pytest.mark.fault
     def test_cut_off_holder_stops_its_child_before_the_lease_expires(

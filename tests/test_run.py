@@ -237,6 +237,40 @@ def advisory_waiters(dsn: str) -> list[int]:
     return [row[0] for row in rows]
 
 
+class TestForeignHolders:
+    """Whatever another session put in its query is taken on trust by nothing."""
+
+    @pytest.mark.parametrize("comment", ['{"pid": 1.5}', '{"pid": "12ab"}', "{not json}"])
+    def test_a_malformed_holder_comment_still_skips(self, dsn, key, comment, tmp_path):
+        """The skip names the holder's backend; no internal error."""
+        marker = tmp_path / "ran"
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            holder.execute(
+                f"/* jobrun-holder {comment} */ SELECT pg_advisory_lock(%s)",
+                (keys.lock_id_for(key),),
+            )
+            result = jobrun_cli.run("--key", key, "--", "touch", str(marker), dsn=dsn)
+            backend = holder.info.backend_pid
+        assert result.returncode == 75, result.stderr
+        skipped = event(result.stderr, "skipped")
+        assert skipped["holder_backend_pid"] == backend
+        assert "holder_pid" not in skipped
+        assert not marker.exists()
+
+    def test_a_wait_longer_than_lock_timeouts_limit_still_waits(self, dsn, key, tmp_path):
+        """--wait 30d (over PostgreSQL's 24.8-day lock_timeout): waits, then acquires."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        wait_for_file(marker)
+        waiter = jobrun_cli.start("--key", key, "--wait", "30d", "--", "true", dsn=dsn)
+        try:
+            wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        _, stderr = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, stderr
+
+
 class TestSeveralKeys:
     """Several --key flags: all or nothing, in ascending lock-id order."""
 
@@ -325,6 +359,28 @@ class TestSignalsAndDeath:
         assert result.returncode == 0, result.stderr
 
 
+#: A child that ignores SIGTERM and leaves a zombie in its process group: its own child X
+#: forks Y, moves itself to another group and never reaps Y, so Y (dead, in the job's
+#: group) survives every SIGKILL until X goes.
+ZOMBIE_KEEPER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.fork() == 0:
+    if os.fork() == 0:
+        os._exit(0)
+    os.setpgid(0, 0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # let go of jobrun's pipes: the test waits for their end
+        os.dup2(null, fd)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(300)
+    os._exit(0)
+time.sleep(300)
+"""
+
+
 class TestTimeout:
     """--timeout stops the whole process group."""
 
@@ -352,6 +408,22 @@ class TestTimeout:
         finished = event(result.stderr, "finished")
         assert finished["outcome"] == "timed_out"
         assert event(result.stderr, "timed_out")["level"] == "error"
+
+    def test_an_unkillable_group_member_does_not_hang_jobrun(self, dsn, key, tmp_path):
+        """A zombie in the group that is not ours to reap: jobrun still finishes."""
+        pidfile = tmp_path / "leaver"
+        result = None
+        try:
+            result = jobrun_cli.run(
+                "--key", key, "--timeout", "1s", "--kill-after", "1s", "--",
+                sys.executable, "-c", ZOMBIE_KEEPER, str(pidfile), dsn=dsn, timeout=60,
+            )  # fmt: skip
+        finally:
+            if pidfile.exists():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        assert result.returncode == 124, result.stderr
+        assert event(result.stderr, "finished")["outcome"] == "timed_out"
 
     def test_leftover_background_processes_are_stopped(self, dsn, key, tmp_path):
         """A child that exits leaving a background process: it is stopped before release."""

@@ -146,7 +146,8 @@ class LeaseLock:
         except psycopg.Error as exc:
             raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
         if renewed != len(self._keys):
-            self._held = False
+            # _held stays True: the leases still ours (just renewed) must be deleted in
+            # release(), which is owner-checked and so never touches the lost ones.
             raise LockLost(
                 f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
             )

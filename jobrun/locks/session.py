@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 #: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
 CONFIRMATION_LIFETIME = 10.0
 
+#: Longest single blocking wait for a key (lock_timeout's limit is about 24.8 days).
+_WAIT_SLICE = 86400.0
+
 _ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
 
 
@@ -107,23 +110,35 @@ class SessionLock:
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
         deadline = time.monotonic() + wait
         for key in self._keys:
-            remaining = deadline - time.monotonic()
-            if remaining * 1000 < 1:
+            if not self._wait_for(conn, key, deadline):
                 row = conn.execute(self._comment + sql.TRY_LOCK, (key.lock_id,)).fetchone()
                 if not (row and row[0]):
                     return key
-            else:
-                # A bounded blocking wait: the server hands the lock over the moment it is
-                # freed. Waiting in ascending id order cannot deadlock with other jobruns.
-                conn.execute(sql.SET_LOCK_TIMEOUT, (f"{int(remaining * 1000)}ms",))
-                try:
-                    conn.execute(self._comment + sql.LOCK, (key.lock_id,))
-                except errors.LockNotAvailable:
-                    conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
-                    return key
-                conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
             self._held.append(key)
         return None
+
+    def _wait_for(
+        self, conn: psycopg.Connection[tuple[object, ...]], key: Key, deadline: float
+    ) -> bool:
+        """Block until ``key`` is ours (True) or ``deadline`` has passed (False).
+
+        A bounded blocking wait: the server hands the lock over the moment it is freed.
+        Waiting in ascending id order cannot deadlock with other jobruns.
+        """
+        while (remaining := deadline - time.monotonic()) * 1000 >= 1:
+            # lock_timeout takes at most INT_MAX ms (24.8 days): a longer --wait takes turns.
+            timeout_ms = int(min(remaining, _WAIT_SLICE) * 1000)
+            conn.execute(sql.SET_LOCK_TIMEOUT, (f"{timeout_ms}ms",))
+            try:
+                conn.execute(self._comment + sql.LOCK, (key.lock_id,))
+            except errors.LockNotAvailable:
+                conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
+                continue
+            # Not in a finally: after any other exception (a signal mid-wait) the
+            # connection is still busy, and the error raised must be that one.
+            conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
+            return True
+        return False
 
     def _holder_of(self, conn: psycopg.Connection[tuple[object, ...]], key: Key) -> Holder:
         classid, objid = key.pg_locks_pair
@@ -134,7 +149,9 @@ class SessionLock:
         announced: dict[str, object] = {}
         match = _ANNOUNCEMENT.search(str(query or ""))
         if match:
-            announced = json.loads(match.group(1))
+            # WARNING: any session can write such a comment: take nothing in it on trust.
+            with contextlib.suppress(ValueError, RecursionError):
+                announced = json.loads(match.group(1))
         return Holder(
             key=key.label,
             host=_str_or_none(announced.get("host")),
@@ -236,4 +253,4 @@ def _str_or_none(value: object) -> str | None:
 
 
 def _int_or_none(value: object) -> int | None:
-    return None if value is None else int(str(value))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
