@@ -11,6 +11,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING
 
+from jobrun import db
 from jobrun.exitcodes import UsageError, from_wait_status
 
 if TYPE_CHECKING:
@@ -62,15 +63,18 @@ def deliver(
     timeout: float,
     log: FilteringBoundLogger,
     environ: Mapping[str, str] | None = None,
+    secrets: tuple[str, ...] = (),
 ) -> bool:
     """Run the hook for ``event``; log ``alert_sent`` or ``alert_failed``; never raise.
 
     The hook gets its own session (so a timeout kills everything it started), stdout
-    discarded (jobrun's stderr carries event lines only) and stderr captured for the log.
+    discarded (jobrun's stderr carries event lines only) and stderr captured for the log,
+    with ``secrets`` (the DSN's password), ``PGPASSWORD`` and passwords in DSNs masked.
     """
     name = str(event.get("event"))
     payload = (json.dumps(event, default=str, ensure_ascii=True) + "\n").encode()
-    env = environment(event, os.environ if environ is None else environ)
+    base = os.environ if environ is None else environ
+    env = environment(event, base)
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -106,13 +110,17 @@ def deliver(
         return False
     duration = round(time.monotonic() - started, 3)
     if proc.returncode != 0:
+        # WARNING: the hook has our environment (PGPASSWORD included) and may print it. Mask
+        # before cutting the tail, or a secret cut in two would show its second half.
+        hidden = (*secrets, base.get("PGPASSWORD", ""))
+        text = db.redact(stderr.decode("utf-8", "replace"), hidden)
         log.warning(
             "alert_failed",
             alert=name,
             reason="exit_status",
             command=argv[0],
             exit_code=from_wait_status(proc.returncode),
-            stderr=stderr.decode("utf-8", "replace")[-STDERR_TAIL:].strip(),
+            stderr=text[-STDERR_TAIL:].strip(),
             duration=duration,
         )
         return False

@@ -191,7 +191,7 @@ def _duration(value: str | None, option: str) -> float | None:
     type=click.IntRange(min=1),
     default=100,
     show_default=True,
-    help="History kept per key: the newest N finished runs and N skips.",
+    help="History kept per key: the newest N runs and N skips (and each host's newest skip).",
 )
 @click.option(
     "--alert-after",

@@ -398,6 +398,10 @@ class Recorder:
             since: dt.datetime | None = None
             if ref is not None:
                 params = {**self._row, "holder_ref": ref}
+                # WARNING: hosts skipping behind this holder at the same moment must take
+                # turns (until our COMMIT: _transaction runs us inside BEGIN), or they all
+                # read the same old streaks and all alert.
+                conn.execute(sql.RUNS_SKIP_SERIALIZE, params)
                 chain = conn.execute(sql.RUNS_SKIP_CHAIN, params).fetchone()
                 if chain is not None:
                     mine, since, anyone = int(chain[0] or 0), chain[1], int(chain[2] or 0)
@@ -619,6 +623,7 @@ class Recorder:
                 timeout=self._config.alert_timeout,
                 log=self._log,
                 environ=self._environ,
+                secrets=self._target.secrets,
             )
 
 

@@ -215,6 +215,15 @@ ON CONFLICT (run_id) DO UPDATE
 RETURNING streak, streak_since
 """
 
+#: Taken before RUNS_SKIP_CHAIN: hosts skipping behind the same holder at the same moment
+#: take turns until their transactions end, so each reads the streaks the others wrote and
+#: only the first to reach a count alerts. Two int4 halves (objsubid 2): never one of the
+#: bigint lock ids jobs use, and never shown by ``jobrun status``.
+RUNS_SKIP_SERIALIZE = """
+SELECT pg_advisory_xact_lock(hashtext('jobrun.skip'),
+                             hashtext(%(key)s::text || ':' || %(holder_ref)s::text))
+"""
+
 #: Skips of this key by the same holder: this host's longest chain, and anyone's.
 RUNS_SKIP_CHAIN = """
 SELECT max(streak) FILTER (WHERE host = %(host)s),
@@ -242,20 +251,24 @@ ON CONFLICT (run_id) DO UPDATE
 RETURNING streak, streak_since
 """
 
-#: Keep the newest N finished runs and the newest N skips of a key; running rows stay.
-#: SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks.
+#: Keep the newest N finished runs and the newest N skips of a key, and each host's newest
+#: skip of it: that row carries the host's skip streak (RUNS_SKIP_CHAIN), which the skips of
+#: a fleet larger than N would otherwise push out. So at most N + hosts skips; running rows
+#: stay. SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks.
 RUNS_PRUNE = """
 DELETE FROM jobrun.runs WHERE run_id IN (
     SELECT run_id FROM jobrun.runs
     WHERE run_id IN (
         SELECT ranked.run_id FROM (
-            SELECT run_id,
+            SELECT run_id, outcome = 'skipped' AS skip,
                    row_number() OVER (PARTITION BY outcome = 'skipped'
-                                      ORDER BY started_at DESC) AS n
+                                      ORDER BY started_at DESC) AS n,
+                   row_number() OVER (PARTITION BY outcome = 'skipped', host
+                                      ORDER BY started_at DESC) AS of_host
             FROM jobrun.runs
             WHERE key = %(key)s AND outcome <> 'running'
         ) AS ranked
-        WHERE ranked.n > %(keep)s
+        WHERE ranked.n > %(keep)s AND NOT (ranked.skip AND ranked.of_host = 1)
     )
     FOR UPDATE SKIP LOCKED
 )

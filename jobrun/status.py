@@ -92,11 +92,20 @@ class Report:
 
 
 def lock_ids_of(label: str) -> list[int]:
-    """The lock id of a key label the history does not know: ``lock-id:N`` or a key name."""
-    match = _LOCK_ID_LABEL.fullmatch(label)
+    """The lock ids of a key label the history does not know.
+
+    Each comma-separated part (a multi-key run's label) is ``lock-id:N`` or a key name. So,
+    without history, a single key whose own name holds a comma reads as several keys.
+    """
+    return [_lock_id_of(part) for part in label.split(",")]
+
+
+def _lock_id_of(part: str) -> int:
+    """The lock id of one key: ``lock-id:N`` or a key name."""
+    match = _LOCK_ID_LABEL.fullmatch(part)
     if match:
-        return [int(match.group(1))]
-    return [keys.lock_id_for(label)]
+        return int(match.group(1))
+    return keys.lock_id_for(part)
 
 
 def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
@@ -206,7 +215,7 @@ def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
         if match:
             try:
                 announced = json.loads(match.group(1))
-            except ValueError:
+            except (ValueError, RecursionError):  # any session can write such a comment
                 announced = {}
         holder = Holder(
             mode="session",
@@ -231,7 +240,7 @@ def _label_from_app(lock_id: int, app_name: object) -> str | None:
     # One key, or one of a comma-joined group; a trimmed name or a raw --lock-id that does
     # not match is named by its number.
     for candidate in (label, *label.split(",")):
-        if candidate and lock_ids_of(candidate) == [lock_id]:
+        if candidate and _lock_id_of(candidate) == lock_id:
             return candidate
     return f"lock-id:{lock_id}"
 
@@ -393,4 +402,5 @@ def _str(value: object) -> str | None:
 
 
 def _int(value: object) -> int | None:
-    return None if value is None else int(str(value))
+    """An integer as it is, anything else (a malformed holder comment's pid) None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

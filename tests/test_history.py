@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 from psycopg import sql as pgsql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun import alerts, db, history, keys, log
 from jobrun.exitcodes import LockStoreUnavailable, UsageError
@@ -28,7 +28,7 @@ from support.jobrun_cli import event, events, wait_for_file, wait_until
 from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Mapping
     from pathlib import Path
 
 
@@ -105,6 +105,7 @@ def make_recorder(dsn, key, captured) -> Callable[..., Run]:
         target_dsn: str | None = None,
         mode: str = "session",
         program: str = "backup.sh",
+        environ: Mapping[str, str] | None = None,
     ) -> Run:
         identity = Identity(run_id=str(uuid.uuid4()), host=host, pid=pid)
         run_keys = keys.resolve(names, ())
@@ -117,6 +118,7 @@ def make_recorder(dsn, key, captured) -> Callable[..., Run]:
             config=config or HistoryConfig(),
             # As the CLI does: every line names the run.
             log=captured.log.bind(run_id=identity.run_id, host=host, pid=pid),
+            environ=environ,
         )
         return Run(
             recorder,
@@ -518,6 +520,29 @@ class TestSkipStreak:
             (4, "web1"),
         ]
 
+    def test_a_fleet_skipping_at_the_same_moment_alerts_once_per_round(
+        self, make_recorder, captured
+    ):
+        """Six hosts released together by a barrier, six rounds: one alert per round from 3."""
+        config = HistoryConfig(alert_after=3)
+        blocker = str(uuid.uuid4())
+        hosts = [f"web{n}" for n in range(6)]
+        for _ in range(6):
+            fleet = [make_recorder(host=host, config=config) for host in hosts]
+            barrier = threading.Barrier(len(fleet))
+
+            def skip(recorder: Run, barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                recorder.skipped("locked", holder(blocker), 75)
+
+            threads = [threading.Thread(target=skip, args=(r,)) for r in fleet]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert captured.events("history_failed") == []
+        assert [line["count"] for line in captured.events("skip_streak")] == [3, 4, 5, 6]
+
     def test_skips_behind_an_unknown_holder_never_chain(self, make_recorder, captured):
         """Without a holder to tell rounds apart, a skip is a streak of one."""
         config = HistoryConfig(alert_after=2)
@@ -626,6 +651,54 @@ class TestAlertHook:
             "pager down",
         )
 
+    def test_the_hooks_stderr_never_shows_a_password(self, captured):
+        """PGPASSWORD and the DSN's password are masked in alert_failed, even one cut in two."""
+        pgpassword, dsn_password = "pg-env-Secret-4711", "dsn-Secret-0815"
+        # Unmasked, the 300-character tail would start in the middle of the first PGPASSWORD.
+        after_cut = len(pgpassword) - len(pgpassword) // 2
+        filler = alerts.STDERR_TAIL - after_cut - 6 - len(dsn_password) - len(pgpassword)
+        script = (
+            "import os, sys\n"
+            "pg = os.environ['PGPASSWORD']\n"
+            "sys.stderr.write('x' * 500 + pg + ' / ' + sys.argv[1] + ' / ' + pg"
+            " + 'y' * int(sys.argv[2]))\n"
+            "sys.exit(1)\n"
+        )
+        argv = (sys.executable, "-c", script, dsn_password, str(filler))
+        assert not alerts.deliver(
+            argv,
+            {"event": "skip_streak"},
+            timeout=10,
+            log=captured.log,
+            environ={"PGPASSWORD": pgpassword},
+            secrets=(dsn_password,),
+        )
+        (line,) = captured.events("alert_failed")
+        assert line["stderr"].count("***") == 3, line["stderr"]
+        written = captured.path.read_text()
+        assert dsn_password not in written
+        assert pgpassword[len(pgpassword) // 2 :] not in written
+
+    def test_a_recorders_hook_never_shows_its_passwords(self, dsn, make_recorder, captured):
+        """Through the Recorder: the DSN's password and PGPASSWORD are masked in alert_failed."""
+        password = conninfo_to_dict(dsn).get("password") or "dsn-Secret-0815"
+        pgpassword = "pg-env-Secret-4711"
+        script = "import os, sys; sys.stderr.write(os.environ['PGPASSWORD'] + ' ' + sys.argv[1])"
+        config = HistoryConfig(
+            alert_after=1, on_alert=(sys.executable, "-c", f"{script}; sys.exit(1)", str(password))
+        )
+        recorder = make_recorder(
+            target_dsn=make_conninfo(dsn, password=password),
+            config=config,
+            environ={"PGPASSWORD": pgpassword},
+        )
+        recorder.finished("failed", 1, None, 1.0)
+        (line,) = captured.events("alert_failed")
+        assert line["stderr"] == "*** ***"
+        written = captured.path.read_text()
+        assert str(password) not in written
+        assert pgpassword not in written
+
     def test_a_hanging_hook_is_killed_at_the_timeout(self, captured, tmp_path):
         """A hook (and what it started) that outlives the timeout is killed with its group."""
         pid_file = tmp_path / "pid"
@@ -705,6 +778,19 @@ class TestPruning:
             make_recorder(config=config).finished("succeeded", 0, None, 1.0)
         outcomes = [row["outcome"] for row in rows_of(dsn, running.label)]
         assert sorted(outcomes) == ["running", "succeeded"]
+
+    def test_a_fleet_larger_than_keep_keeps_every_hosts_streak(self, dsn, make_recorder):
+        """keep=2, four hosts behind one holder: each host's streak grows every round."""
+        config = HistoryConfig(keep=2, alert_after=0)
+        blocker = str(uuid.uuid4())
+        hosts = ("web1", "web2", "web3", "web4")
+        for round_ in range(1, 5):
+            for host in hosts:
+                make_recorder(host=host, config=config).skipped("locked", holder(blocker), 75)
+            rows = rows_of(dsn, make_recorder().label)
+            newest = {row["host"]: row["streak"] for row in reversed(rows)}  # rows: newest first
+            assert newest == dict.fromkeys(hosts, round_)
+            assert len(rows) == len(hosts)  # bounded: the newest 2, and each host's newest
 
     def test_a_streak_outlives_its_pruned_rows(self, make_recorder, captured):
         """keep=1: the fourth skip in a row still counts 4."""

@@ -12,6 +12,7 @@ import click
 import psycopg
 import pytest
 from click.testing import CliRunner
+from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
 from jobrun import db, keys, log
@@ -203,6 +204,45 @@ class TestStatusWhileHeld:
             assert row["holder"]["backend_pid"] == conn.info.backend_pid
         assert row["holder"]["host"] is None
         assert row["holder"]["application_name"] == "legacy-app"
+
+    def test_a_multi_key_run_without_history_is_found(self, ops, dsn, key, tmp_path):
+        """--no-history --key x --key y: `status x,y` finds it held through each part."""
+        names = (f"{key}-x", f"{key}-y")
+        run_keys = keys.resolve(names, ())
+        marker = tmp_path / "child"
+        proc = jobrun_cli.start(
+            "--no-history", "--key", names[0], "--key", names[1],
+            "--", *jobrun_cli.holder_marker(marker), dsn=dsn,
+        )  # fmt: skip
+        try:
+            wait_for_file(marker)
+            row = one_status(ops, dsn, keys.describe(run_keys))
+        finally:
+            jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
+        assert row["lock_ids"] == [k.lock_id for k in run_keys]
+        assert row["held"] is True
+        assert row["holder"]["pid"] == proc.pid
+
+    @pytest.mark.parametrize(
+        "announced",
+        [
+            '{"pid": 1.5}',
+            '{"pid": "12ab"}',
+            '{"pid": true, "host": "web1"}',
+            # Deeper than json's recursion limit, within the default track_activity_query_size.
+            '{"pid": ' + "[" * 960 + "}",
+        ],
+        ids=["float", "not-digits", "bool", "too-deep"],
+    )
+    def test_a_malformed_holder_comment_still_shows_the_holder(self, ops, dsn, key, announced):
+        """Any session can write the comment: a bad pid is unknown, the holder still shows."""
+        query = pgsql.SQL("/* jobrun-holder {} */ SELECT pg_advisory_lock(%s)")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(query.format(pgsql.SQL(announced)), (keys.lock_id_for(key),))
+            row = one_status(ops, dsn, key)
+            assert row["holder"]["backend_pid"] == conn.info.backend_pid
+        assert row["held"] is True
+        assert row["holder"]["pid"] is None
 
     def test_an_expired_lease_is_not_held(self, ops, dsn, key):
         """A lease row past its expiry is free, whatever the row says."""
