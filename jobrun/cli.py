@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 _ARGV = "jobrun.argv"
 STDIN, STDOUT, STDERR = 0, 1, 2
+MIN_HEARTBEAT = 0.1
 
 
 class _Lines(click.ParamType):  # type: ignore[type-arg]
@@ -29,6 +30,10 @@ class _Lines(click.ParamType):  # type: ignore[type-arg]
 
     name = "text"
     envvar_list_splitter = "\n"
+
+    def split_envvar_value(self, rv: str) -> list[str]:
+        """The values in the variable; blank ones (a trailing newline) are not values."""
+        return [part for part in rv.split(self.envvar_list_splitter) if part.strip()]
 
     def convert(
         self, value: Any, _param: click.Parameter | None, _ctx: click.Context | None
@@ -234,7 +239,22 @@ def cli(ctx: click.Context, /, **options: Any) -> int | None:
     if not argv[0]:
         raise UsageError("the command after '--' is an empty string")
     dsn_on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
+    _keys_from_flags_only(ctx, options)
     return _run(argv, dsn_on_command_line=dsn_on_command_line, argv0=argv[0], **options)
+
+
+def _keys_from_flags_only(ctx: click.Context, options: dict[str, Any]) -> None:
+    """With --key or --lock-id on the command line, JOBRUN_KEY and JOBRUN_LOCK_ID are ignored.
+
+    A flag wins over its variable, and the two name one thing: the keys. This is what lets
+    a jobrun inside a guarded child (which inherits JOBRUN_KEY and JOBRUN_LOCK_ID) take
+    just the keys it is given.
+    """
+    sources = {name: ctx.get_parameter_source(name) for name in ("key_names", "lock_ids")}
+    if ParameterSource.COMMANDLINE in sources.values():
+        for name, source in sources.items():
+            if source == ParameterSource.ENVIRONMENT:
+                options[name] = ()
 
 
 class _Timing(NamedTuple):
@@ -255,8 +275,8 @@ def _timing(o: dict[str, Any]) -> _Timing:
     """Parse every duration and check the invariants between them (usage errors: exit 64)."""
     kill_after = durations.parse(o["kill_after"], option="--kill-after")
     heartbeat = _duration(o["heartbeat"], "--heartbeat")
-    if heartbeat is not None and heartbeat <= 0:
-        raise UsageError("--heartbeat must be longer than 0")
+    if heartbeat is not None and heartbeat < MIN_HEARTBEAT:
+        raise UsageError("--heartbeat must be at least 100ms (each beat is a query)")
     ttl = durations.parse(o["ttl"], option="--ttl")
     lifetime = 0.0
     if o["mode"] == "lease":
@@ -295,7 +315,7 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         fmt=o["log_format"],
         level=o["log_level"],
         fd=fd,
-        secrets=target.secrets,
+        secrets=(*target.secrets, os.environ.get("PGPASSWORD", "")),
         # A log file that cannot be written (disk full): the lines go to stderr instead.
         fallback_fd=STDERR if fd is not None else None,
     )
@@ -309,12 +329,6 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         mode=o["mode"],
         version=__version__,
     )
-    if dsn_on_command_line and target.has_password:
-        bound.warning(
-            "password_on_command_line",
-            hint="a password in --dsn is visible to every user in ps; "
-            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
-        )
     job = runner.Job(
         argv=argv,
         keys=run_keys,
@@ -329,6 +343,13 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         once_per=timing.once_per,
     )
     recorder = _recorder(o, target, identity, run_keys, log=bound, timing=timing)
+    # Only now that every option is known to be valid: a usage error is one line, alone.
+    if dsn_on_command_line and target.has_password:
+        bound.warning(
+            "password_on_command_line",
+            hint="a password in --dsn is visible to every user in ps; "
+            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+        )
     lock: Lock
     if o["mode"] == "lease":
         from jobrun.locks import lease
@@ -512,8 +533,11 @@ def _open_standard_fds() -> None:
     for fd in (STDIN, STDOUT, STDERR):
         if not _is_open(fd):
             null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
+            if null == fd:
+                # positional-only; the fds os.open returns are not inherited
+                os.set_inheritable(fd, True)  # noqa: FBT003
+            else:
+                os.dup2(null, fd)  # inheritable, unlike os.open's
                 os.close(null)
 
 

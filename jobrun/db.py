@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 APPLICATION_NAME_BYTES = 63
 
 _URI_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+_QUOTED = re.compile(r'"[^"]*"')
 _KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
@@ -66,9 +67,9 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
     try:
         return conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise UsageError(
-            f"--dsn/JOBRUN_DSN is not a valid connection string: {redact(str(exc))}"
-        ) from None
+        # WARNING: libpq quotes the part it could not parse, and that may be the password.
+        detail = _QUOTED.sub('"***"', redact(str(exc)))
+        raise UsageError(f"--dsn/JOBRUN_DSN is not a valid connection string: {detail}") from None
 
 
 def describe(target: Target) -> str:

@@ -9,14 +9,14 @@ from jobrun.exitcodes import UsageError
 #: Ten years: longer is a typo (and some of it would not fit PostgreSQL's intervals).
 MAX_SECONDS = 3650 * 86400.0
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_WHOLE = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d))+")
+_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
+_WHOLE = re.compile(r"(?:[0-9]+(?:\.[0-9]+)?(?:ms|s|m|h|d))+")
 
 
 def parse(text: str, *, option: str = "duration") -> float:
     """Seconds in ``text``; a bare number means seconds. Raise UsageError otherwise."""
     value = text.strip().lower()
-    if re.fullmatch(r"\d+(?:\.\d+)?", value):
+    if re.fullmatch(r"[0-9]+(?:\.[0-9]+)?", value):
         seconds = float(value)
     elif _WHOLE.fullmatch(value):
         seconds = sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(value))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import NamedTuple
 
@@ -10,6 +11,7 @@ from jobrun.exitcodes import UsageError
 MAX_KEY_CHARS = 200
 LOCK_ID_MIN = -(2**63)
 LOCK_ID_MAX = 2**63 - 1
+LOCK_ID_PREFIX = "lock-id:"
 
 
 class Key(NamedTuple):
@@ -25,7 +27,7 @@ class Key(NamedTuple):
     @property
     def label(self) -> str:
         """The name a person knows the key by: the key name, or ``lock-id:N``."""
-        return self.name if self.name is not None else f"lock-id:{self.lock_id}"
+        return self.name if self.name is not None else f"{LOCK_ID_PREFIX}{self.lock_id}"
 
     @property
     def pg_locks_pair(self) -> tuple[int, int]:
@@ -57,6 +59,12 @@ def validate_name(name: str) -> str:
             raise UsageError(
                 f"key name contains a control character (U+{ord(char):04X}) at position {position}"
             )
+    # The history, status and --once-per know a run by its label: keys joined by commas,
+    # a raw id as lock-id:N. A name that could be read as either would mix up two jobs.
+    if "," in name:
+        raise UsageError(f"key name {name!r} contains a comma (commas join several keys)")
+    if name.startswith(LOCK_ID_PREFIX):
+        raise UsageError(f"key name {name!r} starts with {LOCK_ID_PREFIX!r} (use --lock-id N)")
     return name
 
 
@@ -67,10 +75,11 @@ def from_name(name: str) -> Key:
 
 def parse_lock_id(text: str) -> Key:
     """Build the Key for a raw ``--lock-id`` value (a signed 64-bit integer)."""
-    try:
-        value = int(text.strip(), 10)
-    except ValueError:
-        raise UsageError(f"--lock-id {text!r} is not an integer") from None
+    digits = text.strip()
+    # ASCII only: int() would also take "1_000" and non-Latin digits.
+    if not re.fullmatch(r"[+-]?[0-9]+", digits):
+        raise UsageError(f"--lock-id {text!r} is not an integer")
+    value = int(digits, 10)
     if not LOCK_ID_MIN <= value <= LOCK_ID_MAX:
         raise UsageError(f"--lock-id {value} is outside the signed 64-bit range")
     return Key(lock_id=value)

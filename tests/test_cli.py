@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 
@@ -34,6 +36,11 @@ BAD_INVOCATIONS = {
     "bad connect timeout": ["--key", "k", "--connect-timeout", "1 minute", "--", "true"],
     "endless duration": ["--key", "k", "--once-per", "9" * 400, "--", "true"],
     "ten years and a day": ["--key", "k", "--timeout", "3651d", "--", "true"],
+    "non-ASCII digits": ["--key", "k", "--wait", "\u0663s", "--", "true"],
+    "lock id with an underscore": ["--lock-id", "1_000", "--", "true"],
+    "comma in a key name": ["--key", "a,b", "--", "true"],
+    "key name like a lock id label": ["--key", "lock-id:5", "--", "true"],
+    "heartbeat under 100ms": ["--key", "k", "--heartbeat", "1ms", "--", "true"],
 }
 
 
@@ -57,13 +64,51 @@ class TestBadInput:
         assert "Traceback" not in result.stderr
         assert not marker.exists()
 
-    def test_bad_dsn_error_hides_the_password(self):
-        """A DSN that does not parse is reported without the password in it."""
+    @pytest.mark.parametrize(
+        "dsn",
+        [
+            "password=hunter2secret host",
+            "host=127.0.0.1 password=abc hunter2secret",
+            "postgresql://postgres:hunter2secret%zz@127.0.0.1/test",
+            "postgresql://postgres:hunter2secret%00x@127.0.0.1/test",
+            "postgresql://u:hunter2 secret@[::1/test",
+        ],
+    )
+    def test_bad_dsn_error_hides_the_password(self, dsn):
+        """A DSN that does not parse is reported without the password, or any part of it."""
+        result = jobrun_cli.run("--key", "k", "--dsn", dsn, "--", "true", dsn=None)
+        assert result.returncode == 64, result.stderr
+        assert "hunter2" not in result.stderr
+        assert "secret" not in result.stderr
+
+    def test_a_usage_error_is_the_only_line(self):
+        """A bad option found late still comes alone (no password warning before it)."""
         result = jobrun_cli.run(
-            "--key", "k", "--dsn", "password=hunter2secret host", "--", "true", dsn=None
-        )
-        assert result.returncode == 64
-        assert "hunter2secret" not in result.stderr
+            "--key", "k", "--dsn", "host=127.0.0.1 port=1 password=pw", "--on-alert", "'bad",
+            "--", "true", dsn=None,
+        )  # fmt: skip
+        assert result.returncode == 64, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    def test_ctrl_c_while_connecting_is_quiet(self):
+        """SIGINT to a subcommand waiting for the server: exit 130, no traceback, no output."""
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            server.settimeout(30)
+            port = server.getsockname()[1]
+            proc = subprocess.Popen(
+                [*jobrun_cli.JOBRUN, "doctor"],
+                env=jobrun_cli.environment(f"host=127.0.0.1 port={port} connect_timeout=30"),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            conn, _ = server.accept()  # jobrun now waits for a server that never answers
+            with conn:
+                proc.send_signal(signal.SIGINT)
+                stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        assert (stdout, stderr) == ("", "")
 
     def test_unknown_subcommand_hint_mentions_double_dash(self):
         """Forgetting `--` says how to write the command."""

@@ -237,6 +237,28 @@ def advisory_waiters(dsn: str) -> list[int]:
     return [row[0] for row in rows]
 
 
+class TestNested:
+    """A jobrun inside a guarded child, and key variables."""
+
+    def test_a_nested_jobrun_takes_only_its_own_key(self, dsn, key, tmp_path):
+        """The child's JOBRUN_KEY / JOBRUN_LOCK_ID do not add the outer key to the inner run."""
+        marker = tmp_path / "inner"
+        inner = [*jobrun_cli.JOBRUN, "--key", f"{key}-inner", "--", "touch", str(marker)]
+        result = jobrun_cli.run("--key", f"{key}-outer", "--", *inner, dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+
+    def test_blank_lines_in_jobrun_key_are_skipped(self, dsn, key, tmp_path):
+        """JOBRUN_KEY with a trailing newline (as a file read into it has) names one key."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--", "touch", str(marker), dsn=dsn, env={"JOBRUN_KEY": f"{key}\n\n"}
+        )
+        assert result.returncode == 0, result.stderr
+        assert event(result.stderr, "started")["key"] == key
+        assert marker.exists()
+
+
 class TestForeignHolders:
     """Whatever another session put in its query is taken on trust by nothing."""
 
@@ -704,9 +726,11 @@ class TestJobrunItselfFails:
         assert advisory_holders(dsn, key) == []
 
     def test_closed_stderr_is_not_confused_with_the_database_socket(self, dsn, key, tmp_path):
-        """``2>&-``: the log lines must not be written into the lock session's socket."""
+        """``2>&-``: the log lines must not go into the lock session's socket; the child's
+        stderr is /dev/null, not closed (where its first open() would land)."""
         marker = tmp_path / "ran"
-        command = [*jobrun_cli.JOBRUN, "--key", key, "--", "touch", str(marker)]
+        child = f'readlink /proc/self/fd/2 > "{marker}"'
+        command = [*jobrun_cli.JOBRUN, "--key", key, "--", "sh", "-c", child]
         completed = subprocess.run(
             ["sh", "-c", 'exec "$@" 2>&-', "sh", *command],
             env=jobrun_cli.environment(dsn),
@@ -716,7 +740,7 @@ class TestJobrunItselfFails:
             check=False,
         )
         assert completed.returncode == 0, completed.stdout
-        assert marker.exists()
+        assert marker.read_text().strip() == "/dev/null"
         with psycopg.connect(dsn) as conn:
             (outcome,) = conn.execute(
                 "SELECT outcome FROM jobrun.runs WHERE key = %s ORDER BY started_at DESC LIMIT 1",
