@@ -94,8 +94,8 @@ class Report:
 def lock_ids_of(label: str) -> list[int]:
     """The lock ids of a key label the history does not know.
 
-    Each comma-separated part (a multi-key run's label) is ``lock-id:N`` or a key name. So,
-    without history, a single key whose own name holds a comma reads as several keys.
+    Each comma-separated part (a multi-key run's label) is ``lock-id:N`` or a key name (key
+    names cannot contain commas).
     """
     return [_lock_id_of(part) for part in label.split(",")]
 
