@@ -29,7 +29,8 @@ def parse_command(text: str) -> tuple[str, ...]:
     try:
         argv = tuple(shlex.split(text))
     except ValueError as exc:
-        raise UsageError(f"--on-alert {text!r}: {exc}") from None
+        # The text may hold a connection string: never echo its password.
+        raise UsageError(f"--on-alert {db.redact(text)!r}: {exc}") from None
     if not argv:
         raise UsageError(
             "--on-alert is empty: give a command, e.g. --on-alert '/usr/local/bin/page'"

@@ -451,7 +451,8 @@ def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
     skips, kills jobrun with SIGKILL (the child must die, the next run must acquire), then
     takes the lock away mid-run (terminates the backend in session mode, hands the lease
     to another owner in lease mode): the child must be stopped. Prints a checklist; exits 0
-    only if every step passed. Use a key no real job uses.
+    only if every step passed, 1 if one failed, 69 if the database cannot be reached,
+    128+N when stopped by signal N (its runs are stopped too). Use a key no real job uses.
     """
     from jobrun import db, drill
     from jobrun.locks.lease import timing
@@ -459,6 +460,8 @@ def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
     key = keys.from_name(key_name)
     kill_after = durations.parse(o["kill_after"], option="--kill-after")
     heartbeat = _duration(o["heartbeat"], "--heartbeat")
+    if heartbeat is not None and heartbeat < MIN_HEARTBEAT:
+        raise UsageError("--heartbeat must be at least 100ms (each beat is a query)")
     ttl = durations.parse(o["ttl"], option="--ttl")
     if o["mode"] == "lease":
         timing(ttl, kill_after, heartbeat)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -12,18 +14,47 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from jobrun import db, keys, sql
-from jobrun.exitcodes import Exit, LockStoreUnavailable
+from jobrun.exitcodes import Exit, JobrunError, LockStoreUnavailable
+from jobrun.interrupts import Interrupts
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
 #: How long any one step may take before it counts as failed (beyond the mode's own waits).
 STEP_TIMEOUT = 30.0
+#: Session mode: the server frees a killed jobrun's lock "at once", that is within this long.
+AT_ONCE = 2.0
+#: Lease mode: the next run (which retries every second) acquires within this long of the
+#: lease's expiry; later is a failure too.
+LEASE_LATE = 3.0
+#: How long the next run may wait beyond the expected moment before the step fails.
+NEXT_RUN_WAIT = 10.0
+#: How long a killed jobrun's child gets to die (parent-death signal), then its group.
+CHILD_DEATH_WAIT = 5.0
+GROUP_DEATH_WAIT = 1.0
+#: The command of the drill's own runs that must hold the lock for a while.
+HOLD_COMMAND = ("sleep", "600")
+APP_NAME = "jobrun:drill"
+#: Output read at most, in one go, from a run that has exited (its child may still write).
+DRAIN_SECONDS = 0.2
+
+
+class Interrupted(JobrunError):
+    """A stop signal (SIGTERM, SIGHUP, SIGINT) arrived during the drill."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def _stop(signum: int, _previous: object) -> None:
+    raise Interrupted(signum)
 
 
 @dataclass
@@ -49,11 +80,17 @@ class Drill:
     heartbeat: float | None
     jobrun: tuple[str, ...] = (sys.executable, "-m", "jobrun")
     steps: list[Step] = field(default_factory=list)
+    #: Every jobrun the drill started: whatever still runs is stopped at the end.
+    runs: list[_Run] = field(default_factory=list)
+    interrupts: Interrupts = field(default_factory=lambda: Interrupts(_stop))
+    #: The step under way (name, start): an exception or a signal fails it.
+    current: tuple[str, float] | None = None
 
     def args(self, *extra: str) -> list[str]:
         """Jobrun's argv for a run of this drill's key and mode."""
         argv = [*self.jobrun, "--key", self.key.label, "--mode", self.mode]
         argv += ["--kill-after", f"{self.kill_after}s", "--log-format", "json"]
+        argv += ["--connect-timeout", f"{self.target.connect_timeout}s"]
         if self.mode == "lease":
             argv += ["--ttl", f"{self.ttl}s"]
         if self.heartbeat is not None:
@@ -67,14 +104,50 @@ class Drill:
             env["JOBRUN_DSN"] = self.target.dsn
         return env
 
-    def record(self, name: str, passed: bool, started: float, detail: str = "") -> bool:
-        """Add a checklist line."""
+    def start(self, *extra: str) -> _Run:
+        """A jobrun of this drill in the background, tracked (a signal cannot orphan it)."""
+        with self.interrupts.held():
+            run = _Run(self.args(*extra), self.env())
+            self.runs.append(run)
+        return run
+
+    def complete(self, *extra: str, timeout: float) -> tuple[int | None, _Run]:
+        """A jobrun of this drill to its end (killed after ``timeout``): its status."""
+        run = self.start(*extra)
+        return run.finish(timeout), run
+
+    def begin(self, name: str) -> None:
+        """A step starts."""
+        self.current = (name, time.monotonic())
+
+    def record(self, passed: bool, detail: str = "") -> bool:
+        """The step under way ends: add its checklist line."""
+        name, started = self.current or ("drill", time.monotonic())
         self.steps.append(Step(name, passed, time.monotonic() - started, detail))
+        self.current = None
         return passed
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+        """The drill's own database session (autocommit), closed without a rollback.
+
+        A signal may cut a statement short: a rollback on that busy connection would only
+        add a warning.
+        """
+        conn = db.connect(self.target, app_name=APP_NAME)
+        try:
+            yield conn
+        finally:
+            conn.close()
 
 
 class _Run:
-    """A background jobrun whose event lines we can wait for."""
+    """A background jobrun whose event lines we can wait for.
+
+    WARNING: stderr is read straight from the pipe (os.read, lines split here): a buffered
+    reader would keep lines that select() no longer reports, and the drill would wait them
+    out.
+    """
 
     def __init__(self, argv: Sequence[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
@@ -83,55 +156,144 @@ class _Run:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            text=True,
         )
+        stream = self.proc.stderr
+        if stream is None:  # pragma: no cover - created with stderr=PIPE
+            raise RuntimeError("no stderr pipe")
+        self._stream = stream
+        self._fd = stream.fileno()
+        self._open = True
+        self._partial = b""
         self.events: list[dict[str, Any]] = []
+        #: jobrun's own lines that are not events (a usage error), newest last. The child's
+        #: output (same pipe) is never kept: it could hold anything, a password included.
+        self.other: list[str] = []
+        #: The child's pid (and process group) once jobrun said it started it.
+        self.child_pid: int | None = None
+
+    def _read(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for output and take it in; whether there was any."""
+        if not self._open:
+            return False
+        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout))
+        if not ready:
+            return False
+        chunk = os.read(self._fd, 65536)
+        if not chunk:
+            self._open = False
+            chunk = b"\n"  # the last line, even without its newline
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            self._take(line.decode("utf-8", "replace"))
+        return True
+
+    def _take(self, line: str) -> None:
+        if not line.strip():
+            return
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            event = None
+        if not isinstance(event, dict):
+            if line.startswith("jobrun: "):
+                self.other = [*self.other[-9:], line.strip()]
+            return
+        self.events.append(event)
+        if event.get("event") == "started" and self.child_pid is None:
+            with contextlib.suppress(TypeError, ValueError):
+                self.child_pid = int(event["child_pid"])
 
     def wait_event(self, name: str, timeout: float) -> dict[str, Any] | None:
-        """Read event lines until ``name`` shows up, the process ends, or time runs out."""
-        import selectors  # noqa: PLC0415 - drill only
-
-        stream: IO[str] | None = self.proc.stderr
-        assert stream is not None  # noqa: S101 - created with stderr=PIPE
+        """Read event lines until ``name`` shows up, the output ends, or time runs out."""
         deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(stream, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not selector.select(deadline - time.monotonic()):
-                    break
-                line = stream.readline()
-                if not line:
-                    break
-                for event in _parse_events(line):
-                    self.events.append(event)
-                    if event.get("event") == name:
-                        return event
-        return None
+        checked = 0
+        while True:
+            for event in self.events[checked:]:
+                if event.get("event") == name:
+                    return event
+            checked = len(self.events)
+            remaining = deadline - time.monotonic()
+            if not self._open or remaining <= 0:
+                return None
+            self._read(remaining)
+
+    def _wait(self, timeout: float) -> int | None:
+        """Wait for jobrun's exit status, taking its output in meanwhile (None: time ran out)."""
+        deadline = time.monotonic() + timeout
+        pidfd = _pidfd(self.proc.pid)
+        try:
+            while (status := self.proc.poll()) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                if not self._open:
+                    if pidfd is None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            return self.proc.wait(timeout=remaining)
+                        return None
+                    select.select([pidfd], [], [], remaining)
+                elif pidfd is None:  # no pidfd (not Linux): look again now and then
+                    self._read(min(remaining, 0.05))
+                else:
+                    ready, _, _ = select.select([pidfd, self._fd], [], [], remaining)
+                    if self._fd in ready:
+                        self._read(0)
+            return status
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
 
     def finish(self, timeout: float) -> int | None:
         """Wait for the exit status (killing jobrun if it overruns), then read what is left."""
-        try:
-            status: int | None = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        status = self._wait(timeout)
+        if status is None:
             self.proc.kill()
             self.proc.wait()
-            status = None
-        if self.proc.stderr is not None and not self.proc.stderr.closed:
-            # WARNING: the child may still hold our pipe open: read only what is there.
-            self.wait_event("", 0.2)
-            self.proc.stderr.close()
+        self._close()
         return status
 
+    def stop(self, grace: float) -> None:
+        """SIGTERM (jobrun passes it to the child's group and releases the lock), then SIGKILL."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            if self._wait(grace) is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._close()
 
-def _parse_events(text: str) -> list[dict[str, Any]]:
-    """The JSON event lines in ``text`` (anything else is not jobrun's and is ignored)."""
-    events = []
-    for line in text.splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            parsed = json.loads(line)
-            if isinstance(parsed, dict):
-                events.append(parsed)
-    return events
+    def _close(self) -> None:
+        # WARNING: the child may still hold our pipe open: read only what is there.
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while self._open and time.monotonic() < deadline and self._read(0):
+            pass
+        self._open = False
+        self._stream.close()
+
+    def why(self) -> str:
+        """Why a run did not do what it should: its last telling event or line."""
+        for event in reversed(self.events):
+            if event.get("event") in (
+                "skipped",
+                "lockstore_unavailable",
+                "exec_failed",
+                "lock_lost",
+            ):
+                return f"{event['event']}: {event.get('error') or event.get('holder_pid') or ''}"
+        status = self.proc.returncode
+        last = f": {self.other[-1]}" if self.other else ""
+        return f"exit {status}{last}" if status is not None else "no answer"
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits (Linux 5.3+), else None."""
+    opener: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return opener(pid)
+    except OSError:
+        return None
 
 
 def _gone(pid: int) -> bool:
@@ -146,6 +308,40 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def _group_members(pgid: int) -> int:
+    """How many live processes are in process group ``pgid``."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # no /proc: at least tell "some" from "none"
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return 0
+        return 1
+    count = 0
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            count += 1
+    return count
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of the job's process group.
+
+    A process group id stays taken while any member lives, so a group with members is
+    still the job's: never a stranger's that reused the number.
+    """
+    if pgid <= 1 or pgid == os.getpgrp() or not _group_members(pgid):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def _poll(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -156,142 +352,259 @@ def _poll(condition: Callable[[], bool], timeout: float) -> bool:
 
 
 def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
-    """Run every step, print the checklist, return 0 only if every step passed."""
+    """Run every step, print the checklist; 0 only if every step passed.
+
+    1 when a step failed (also when it raised: the checklist is printed all the same),
+    128+N after signal N. An unreachable database raises LockStoreUnavailable (exit 69)
+    before anything is started.
+    """
+    with drill.connect():
+        pass
     out(
         f"jobrun drill: key {drill.key.label} (lock id {drill.key.lock_id}), "
         f"mode {drill.mode}, database {db.describe(drill.target)}"
     )
-    try:
-        _steps(drill)
-    finally:
-        for step in drill.steps:
-            mark = "PASS" if step.passed else "FAIL"
-            detail = f"  {step.detail}" if step.detail else ""
-            out(f"  [{mark}] {step.name:<48} {step.seconds:7.2f}s{detail}")
+    with drill.interrupts.installed():
+        try:
+            _steps(drill)
+        except Interrupted as exc:
+            drill.record(passed=False, detail=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a step that raised failed; the runs are stopped
+            drill.record(passed=False, detail=f"error: {db.one_line(exc, drill.target)}")
+        finally:
+            drill.interrupts.stop_raising()
+            _stop_runs(drill)
+    for step in drill.steps:
+        mark = "PASS" if step.passed else "FAIL"
+        detail = f"  {step.detail}" if step.detail else ""
+        out(f"  [{mark}] {step.name:<48} {step.seconds:7.2f}s{detail}")
+    if drill.interrupts.signum is not None:
+        out(f"drill interrupted by {signal.Signals(drill.interrupts.signum).name}")
+        return 128 + drill.interrupts.signum
     passed = bool(drill.steps) and all(step.passed for step in drill.steps)
     out("drill passed" if passed else "drill FAILED")
     return 0 if passed else 1
 
 
+def _stop_runs(drill: Drill) -> None:
+    """Stop every run still going and kill what is left of the jobs' process groups."""
+    for run in drill.runs:
+        run.stop(drill.kill_after + 5.0)
+    for run in drill.runs:
+        if run.child_pid is not None:
+            _kill_group(run.child_pid)
+    _cleanup(drill)
+
+
 def _steps(drill: Drill) -> None:
-    env = drill.env()
-    # 1. A guarded run starts.
-    t = time.monotonic()
-    first = _Run(drill.args("--", *drill.command), env)
-    started = first.wait_event("started", STEP_TIMEOUT)
-    if not drill.record(
-        "guarded run started", started is not None, t, "" if started else _why(first)
-    ):
-        first.proc.kill()
-        first.finish(5)
+    first = _first_run(drill)
+    if first is None:
         return
-    assert started is not None  # noqa: S101 - checked just above
-    child = int(started["child_pid"])
-
-    # 2. A second instance skips.
-    t = time.monotonic()
-    second = subprocess.run(
-        drill.args("--", "true"),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=STEP_TIMEOUT,
-    )
-    drill.record(
-        "second instance skipped (exit 75)",
-        second.returncode == Exit.SKIPPED,
-        t,
-        f"exit {second.returncode}",
-    )
-
-    # 3. kill -9 of jobrun: the child must die.
-    t = time.monotonic()
-    first.proc.send_signal(signal.SIGKILL)
-    first.finish(STEP_TIMEOUT)
-    drill.record("kill -9 of jobrun: the child died", _poll(lambda: _gone(child), 5.0), t)
-
-    # 4. The next run acquires: at once in session mode, after the TTL in lease mode.
-    t = time.monotonic()
-    expected = drill.ttl if drill.mode == "lease" else 0.0
+    _second_instance(drill)
+    killed = _kill_jobrun(drill, first)
     if drill.mode == "lease":
-        early = subprocess.run(
-            drill.args("--", "true"),
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=STEP_TIMEOUT,
-        )
+        _next_run_lease(drill, killed)
+    else:
+        _next_run_session(drill, killed)
+    _lock_taken_away(drill)
+
+
+def _first_run(drill: Drill) -> _Run | None:
+    """1. A guarded run starts."""
+    drill.begin("guarded run started")
+    first = _guarded_run(drill)
+    if first is not None:
+        drill.record(passed=True)
+    return first
+
+
+def _guarded_run(drill: Drill) -> _Run | None:
+    """A run of the drill's command whose child started; None (step failed) otherwise."""
+    run = drill.start("--", *drill.command)
+    started = run.wait_event("started", STEP_TIMEOUT)
+    if started is None or run.child_pid is None:
+        run.finish(5)
+        drill.record(passed=False, detail=run.why())
+        return None
+    return run
+
+
+def _second_instance(drill: Drill) -> None:
+    """2. A second instance skips."""
+    drill.begin("second instance skipped (exit 75)")
+    status, run = drill.complete("--", "true", timeout=STEP_TIMEOUT)
+    detail = f"exit {status}" if status == Exit.SKIPPED else run.why()
+    drill.record(passed=status == Exit.SKIPPED, detail=detail)
+
+
+@dataclass(frozen=True)
+class _Killed:
+    """When jobrun was killed, and (lease mode) its lease as the database saw it just before."""
+
+    at: float
+    #: (expires_at, the database's clock) read right before the kill.
+    lease: tuple[dt.datetime, dt.datetime] | None = None
+    #: Session mode: seconds after the kill when the lock was seen free (None: not yet).
+    freed: float | None = None
+
+
+def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
+    """3. kill -9 of jobrun: the child and everything in its process group must die."""
+    drill.begin("kill -9 of jobrun: the child died")
+    child = first.child_pid
+    if child is None:  # pragma: no cover - _first_run checked it
+        raise RuntimeError("the first run has no child")
+    with drill.connect() as conn:
+        # Lease: read before the kill. A renewal can only move the expiry later, never
+        # earlier, so the next run must not get the lease before this expires_at.
+        lease = _lease(conn, drill) if drill.mode == "lease" else None
+        at = time.monotonic()
+        first.proc.send_signal(signal.SIGKILL)
+        first.finish(STEP_TIMEOUT)
+        # Session: one look right away, before the waits below can blur the time.
+        freed = None
+        if drill.mode == "session" and not _lock_held(conn, drill):
+            freed = time.monotonic() - at
+    killed = _Killed(at=at, lease=lease, freed=freed)
+    child_died = _poll(lambda: _gone(child), CHILD_DEATH_WAIT)
+    _poll(lambda: not _group_members(child), GROUP_DEATH_WAIT)
+    survivors = _group_members(child)
+    if not child_died:
+        drill.record(passed=False, detail=f"the child (pid {child}) survived jobrun's death")
+    elif survivors:
         drill.record(
-            "lease still held right after the crash",
-            early.returncode == Exit.SKIPPED,
-            t,
-            f"exit {early.returncode}",
+            passed=False,
+            detail=f"{survivors} process{'es' if survivors != 1 else ''} of the job's group "
+            "survived jobrun's death: use exec or systemd, see README",
         )
-    t_next = time.monotonic()
-    wait = expected + 10.0
-    after = subprocess.run(
-        drill.args("--wait", f"{wait}s", "--", "true"),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=wait + STEP_TIMEOUT,
+    else:
+        drill.record(passed=True)
+    # They run unguarded now: the lock is free, or will be.
+    _kill_group(child)
+    return killed
+
+
+def _lease(
+    conn: psycopg.Connection[tuple[object, ...]], drill: Drill
+) -> tuple[dt.datetime, dt.datetime] | None:
+    """(expires_at, the database's clock now) of the key's lease, or None without one."""
+    row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
+    if row is None or not isinstance(row[2], dt.datetime) or not isinstance(row[3], dt.datetime):
+        return None
+    return row[2], row[3]
+
+
+def _lock_held(conn: psycopg.Connection[tuple[object, ...]], drill: Drill) -> bool:
+    """Whether a session of the drill's database holds the key's advisory lock."""
+    row = conn.execute(sql.DRILL_LOCK_HELD, drill.key.pg_locks_pair).fetchone()
+    return bool(row and row[0])
+
+
+def _next_run_session(drill: Drill, killed: _Killed) -> None:
+    """4. The next run acquires at once: the server ends a dead client's session at once."""
+    drill.begin("next run acquired after the crash")
+    freed_after = killed.freed
+    if freed_after is None:
+        with drill.connect() as conn:
+            freed = _poll(
+                lambda: not _lock_held(conn, drill), killed.at + NEXT_RUN_WAIT - time.monotonic()
+            )
+        freed_after = time.monotonic() - killed.at
+    else:
+        freed = True
+    if not freed:
+        drill.record(
+            passed=False,
+            detail=f"lock still held {freed_after:.2f}s after the kill (expected at once)",
+        )
+        return
+    status, run = drill.complete("--wait", f"{NEXT_RUN_WAIT}s", "--", "true", timeout=STEP_TIMEOUT)
+    took = time.monotonic() - killed.at
+    in_time = freed_after <= AT_ONCE
+    detail = (
+        f"lock free {freed_after:.2f}s after the kill"
+        + ("" if in_time else f" (expected at once: within {AT_ONCE:g}s)")
+        + (f"; next run acquired {took:.2f}s after the kill" if status == 0 else f"; {run.why()}")
     )
-    took = time.monotonic() - t
-    expectation = f"about {expected:g}s" if expected else "at once"
+    drill.record(passed=in_time and status == 0, detail=detail)
+
+
+def _next_run_lease(drill: Drill, killed: _Killed) -> None:
+    """4. The lease outlives the crash, then the next run gets it: not before, not long after."""
+    drill.begin("lease still held right after the crash")
+    status, run = drill.complete("--", "true", timeout=STEP_TIMEOUT)
     drill.record(
-        "next run acquired after the crash",
-        after.returncode == 0,
-        t_next,
-        f"{took:.2f}s after the kill (expected {expectation})",
+        passed=status == Exit.SKIPPED,
+        detail=f"exit {status}" if status in (0, Exit.SKIPPED) else run.why(),
+    )
+    drill.begin("next run acquired after the crash")
+    if killed.lease is None:
+        drill.record(passed=False, detail="the crashed run had no lease row before the kill")
+        return
+    expires_at, killed_on_db = killed.lease
+    with drill.connect() as conn:
+        # After the kill: a renewal sent just before it may have moved the expiry on.
+        now_lease = _lease(conn, drill)
+    latest = max(expires_at, now_lease[0]) if now_lease else expires_at
+    expected = (expires_at - killed_on_db).total_seconds()
+    wait = max(0.0, (latest - killed_on_db).total_seconds()) + NEXT_RUN_WAIT
+    run = drill.start("--wait", f"{wait:.3f}s", "--", *HOLD_COMMAND)
+    started = run.wait_event("started", wait + STEP_TIMEOUT)
+    acquired_at = None
+    if started is not None:
+        with drill.connect() as conn:
+            row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
+        if row is not None and row[0] == started.get("run_id"):
+            acquired_at = row[1] if isinstance(row[1], dt.datetime) else None
+    run.stop(drill.kill_after + STEP_TIMEOUT)
+    if started is None or acquired_at is None:
+        why = run.why() if started is None else "its lease row was not found"
+        drill.record(passed=False, detail=f"the next run did not acquire: {why}")
+        return
+    took = (acquired_at - killed_on_db).total_seconds()
+    early = (expires_at - acquired_at).total_seconds()
+    late = (acquired_at - latest).total_seconds()
+    if early > 0:
+        verdict = f"{early:.2f}s BEFORE the lease could expire"
+    elif late > LEASE_LATE:
+        verdict = f"{late:.2f}s after the lease expired (expected within {LEASE_LATE:g}s)"
+    else:
+        verdict = f"{max(0.0, late):.2f}s after the lease expired"
+    drill.record(
+        passed=early <= 0 and late <= LEASE_LATE,
+        detail=f"{took:.2f}s after the kill, {verdict} (expected about {expected:.2f}s)",
     )
 
-    # 5. The lock is taken away mid-run: the child must be stopped.
-    t = time.monotonic()
-    victim = _Run(drill.args("--", *drill.command), env)
-    started = victim.wait_event("started", STEP_TIMEOUT)
-    if started is None:
-        drill.record(
-            "lock taken away: child stopped (exit 76)", passed=False, started=t, detail=_why(victim)
-        )
-        victim.proc.kill()
-        victim.finish(5)
+
+def _lock_taken_away(drill: Drill) -> None:
+    """5. The lock is taken away mid-run: the child must be stopped."""
+    drill.begin("lock taken away: child stopped (exit 76)")
+    victim = _guarded_run(drill)
+    if victim is None or victim.child_pid is None:
         return
+    child = victim.child_pid
     t = time.monotonic()
     how = _take_lock_away(drill)
     lost = victim.wait_event("lock_lost", drill.ttl + STEP_TIMEOUT)
     detected = time.monotonic() - t
     status = victim.finish(drill.kill_after + STEP_TIMEOUT)
-    child_gone = _gone(int(started["child_pid"]))
+    child_gone = _gone(child)
     drill.record(
-        "lock taken away: child stopped (exit 76)",
-        lost is not None and status == Exit.LOCK_LOST and child_gone,
-        t,
-        f"{how}; noticed after {detected:.2f}s, exit {status}",
+        passed=lost is not None and status == Exit.LOCK_LOST and child_gone,
+        detail=f"{how}; noticed after {detected:.2f}s, exit {status}",
     )
-    _cleanup(drill)
-
-
-def _why(run: _Run) -> str:
-    status = run.finish(5) if run.proc.poll() is not None else None
-    for event in reversed(run.events):
-        if event.get("event") in ("skipped", "lockstore_unavailable", "exec_failed"):
-            return f"{event['event']}: {event.get('error') or event.get('holder_pid') or ''}"
-    return f"exit {status}"
 
 
 def _take_lock_away(drill: Drill) -> str:
     """Terminate the lock's backend (session) or hand the lease to a stranger (lease)."""
-    with db.connect(drill.target, app_name="jobrun:drill") as conn:
+    with drill.connect() as conn:
         if drill.mode == "session":
             classid, objid = drill.key.pg_locks_pair
             try:
-                row = conn.execute(sql.DRILL_TERMINATE_HOLDER, (classid, objid)).fetchone()
+                rows = conn.execute(sql.DRILL_TERMINATE_HOLDER, (classid, objid)).fetchall()
             except psycopg.errors.InsufficientPrivilege:
                 return "could not terminate the backend (needs pg_signal_backend)"
-            return "backend terminated" if row and row[0] else "backend not found"
+            return "backend terminated" if any(row[0] for row in rows) else "backend not found"
         conn.execute(sql.DRILL_STEAL_LEASE, (str(uuid.uuid4()), drill.key.lock_id))
         return "lease handed to another owner"
 
@@ -300,7 +613,7 @@ def _cleanup(drill: Drill) -> None:
     if drill.mode != "lease":
         return
     try:
-        with db.connect(drill.target, app_name="jobrun:drill") as conn:
+        with drill.connect() as conn:
             conn.execute(sql.DRILL_DELETE_LEASE, (drill.key.lock_id,))
     except (psycopg.Error, LockStoreUnavailable):
         pass

@@ -17,7 +17,8 @@ from typing import IO, TYPE_CHECKING, Any
 import psycopg
 
 from jobrun import alerts, db, durations, sql
-from jobrun.exitcodes import Exit, UsageError, from_wait_status
+from jobrun.exitcodes import Exit, JobrunError, UsageError, from_wait_status
+from jobrun.interrupts import Interrupts
 from jobrun.supervise import ExecFailed
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def parse_command(text: str, *, option: str) -> tuple[str, ...]:
     try:
         return alerts.parse_command(text)
     except UsageError as exc:
-        raise UsageError(str(exc).replace("--on-alert", option)) from None
+        message = str(exc).removeprefix("--on-alert")  # the text itself is left alone
+        raise UsageError(f"{option}{message}") from None
 
 
 def parse_start_after(text: str) -> float | None:
@@ -472,6 +474,27 @@ def _short(argv: Sequence[str]) -> str:
     return text if len(text) <= COMMAND_CHARS else text[: COMMAND_CHARS - 3] + "..."
 
 
+class Interrupted(JobrunError):
+    """SIGTERM or SIGHUP arrived: the commands were killed, their sessions ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(
+            f"interrupted by {signal.Signals(signum).name}: the commands were killed and "
+            "their database sessions ended"
+        )
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def _stop(signum: int, previous: object) -> None:
+    """SIGTERM and SIGHUP as Interrupted; SIGINT as before this command (a quiet 130)."""
+    if signum == signal.SIGINT:
+        if callable(previous):  # jobrun's quiet exit 130, or KeyboardInterrupt
+            previous(signal.SIGINT, None)
+        raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
 class _Job:
     """One command of an attempt: a process in a session of its own, its output in a file."""
 
@@ -636,13 +659,22 @@ def run(
         second=tuple(db.redact(arg, secrets) for arg in plan.second),
         runs=plan.runs,
     )
+    interrupts = Interrupts(_stop)
     # Connect first: with no database to watch, neither command is started (exit 69).
-    with db.connect(plan.target, app_name="jobrun-overlap") as conn:
-        for number in range(1, plan.runs + 1):
-            attempt = _attempt(plan, conn, number, environ)
-            report.attempts.append(attempt)
-            if progress is not None:
-                progress(attempt)
+    with (
+        interrupts.installed(),
+        db.connect(plan.target, app_name="jobrun-overlap") as conn,
+    ):
+        try:
+            for number in range(1, plan.runs + 1):
+                attempt = _attempt(plan, conn, number, environ, interrupts)
+                report.attempts.append(attempt)
+                if progress is not None:
+                    progress(attempt)
+        except BaseException:
+            # A signal may have cut a statement short: close, no rollback on a busy connection.
+            conn.close()
+            raise
     return report
 
 
@@ -651,29 +683,36 @@ def _attempt(
     conn: psycopg.Connection[tuple[object, ...]],
     number: int,
     environ: Mapping[str, str],
+    interrupts: Interrupts | None = None,
 ) -> Attempt:
+    interrupts = interrupts or Interrupts(_stop)
     attempt = Attempt(number)
     watch = _Watch(conn, plan.target, attempt)
     jobs: dict[str, _Job] = {}
     started = time.monotonic()
     deadline = started + plan.timeout
-    finished = False
+    finished = completed = False
     try:
-        jobs["A"] = _Job("A", plan.first, environment(environ, "A", number))
+        with interrupts.held():
+            jobs["A"] = _Job("A", plan.first, environment(environ, "A", number))
         attempt.pids["A"] = jobs["A"].proc.pid
         attempt.b_started = _wait_for_b(plan, watch, jobs["A"], deadline)
         if attempt.b_started != "not_started":
-            jobs["B"] = _Job("B", plan.second, environment(environ, "B", number))
+            with interrupts.held():
+                jobs["B"] = _Job("B", plan.second, environment(environ, "B", number))
             attempt.pids["B"] = jobs["B"].proc.pid
             finished = _watch_until_done(plan, watch, jobs.values(), deadline)
+        completed = True
     finally:
-        # Also on an exception or ^C: the commands run in sessions of their own, so nobody
-        # else would stop them.
-        outputs = {job: proc.finish() for job, proc in jobs.items()}
+        # Also on an exception, ^C, SIGTERM or SIGHUP: the commands run in sessions of their
+        # own, so nobody else would stop them; a killed command's backend can keep its locks
+        # (and go on waiting) until it is terminated.
+        with interrupts.held():
+            outputs = {job: proc.finish() for job, proc in jobs.items()}
+            if jobs and not finished:
+                _end_sessions(watch, quietly=not completed)
     attempt.duration = time.monotonic() - started
     attempt.timed_out = not finished
-    if attempt.timed_out:
-        watch.end_sessions()
     if attempt.b_started == "after_a_finished":
         when = "it was seen inside a transaction" if plan.start_after is None else "--start-after"
         attempt.notes.append(f"A finished before {when}; B was started anyway")
@@ -685,6 +724,23 @@ def _attempt(
         attempt.output_tail[job] = [line.rstrip() for line in safe.splitlines()[-TAIL_LINES:]]
     attempt.outcome = _outcome(attempt)
     return attempt
+
+
+def _end_sessions(watch: _Watch, *, quietly: bool) -> None:
+    """End the attempt's sessions; ``quietly``: on the way out of a failure, best effort.
+
+    On that way the watching connection may be broken, or stuck in the statement a signal
+    cut short: a fresh one does the work.
+    """
+    if not quietly:
+        watch.end_sessions()
+        return
+    with (
+        contextlib.suppress(JobrunError, psycopg.Error),
+        db.connect(watch.target, app_name="jobrun-overlap") as conn,
+    ):
+        watch.conn = conn
+        watch.end_sessions()
 
 
 def _wait_for_b(plan: Plan, watch: _Watch, first: _Job, deadline: float) -> str:

@@ -88,7 +88,8 @@ def overlap_command(  # click passes options by keyword
     transaction, starts B, and watches pg_locks / pg_blocking_pids until both exit. The
     commands' sessions are found by application_name (PGAPPNAME=jobrun-overlap:A:<n>).
     Reports how many attempts deadlocked and the wait-for cycle: which job, which
-    statement, which lock. Exit status: 0 when no attempt deadlocked, 1 when one did.
+    statement, which lock. Exit status: 0 when no attempt deadlocked, 1 when one did,
+    128+N when stopped by signal N (both commands are killed, their sessions ended).
 
     WARNING: the commands run for real, N times: use a staging database.
     """

@@ -107,10 +107,29 @@ LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND
 
 # --- jobrun drill: taking a lock away on purpose ----------------------------------------
 
+#: Advisory locks are per database: a session in another database holding the same id is
+#: a stranger's, never ours to terminate.
 DRILL_TERMINATE_HOLDER = """
 SELECT pg_terminate_backend(pid) FROM pg_locks
 WHERE locktype = 'advisory' AND granted AND objsubid = 1
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND classid = %s::int8::oid AND objid = %s::int8::oid
+"""
+
+#: Whether a session of this database still holds the advisory lock id (classid, objid).
+DRILL_LOCK_HELD = """
+SELECT EXISTS (
+    SELECT FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = %s::int8::oid AND objid = %s::int8::oid
+)
+"""
+
+#: The lease of one lock id (owner, start and expiry on the database's clock) and that clock.
+DRILL_LEASE = """
+SELECT l.owner::text, l.acquired_at, l.expires_at, clock_timestamp()
+FROM (SELECT 1) AS one LEFT JOIN jobrun.leases AS l ON l.lock_id = %s
 """
 
 #: A stranger takes the lease over: the holder's next owner-checked renewal must fail.

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
+import signal
+import subprocess
 import sys
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -528,3 +532,88 @@ class TestThroughCli:
             "--runs", "1", dsn=dsn,
         )  # fmt: skip
         assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+class TestStopped:
+    """``jobrun overlap`` itself is stopped mid-attempt."""
+
+    @pytest.mark.parametrize(
+        "signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"]
+    )
+    def test_signal_kills_both_commands_and_ends_their_sessions(
+        self, dsn, accounts, tmp_path, signum
+    ):
+        """Both commands wait behind a third session's row lock: nothing of them is left."""
+        marker = tmp_path / "pids"
+        blocked = shlex.join(
+            ["sh", "-c", f'echo $$ >> "{marker}"; exec "$0" "$@"',
+             sys.executable, "-c", UPDATE_ROW_1, dsn, accounts]
+        )  # fmt: skip
+        names = ["jobrun-overlap:A:1", "jobrun-overlap:B:1"]
+        count = (
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = ANY(%s)"
+            " AND datname = current_database()"
+        )
+        with (
+            psycopg.connect(dsn, autocommit=True) as holder,
+            psycopg.connect(dsn, autocommit=True) as watcher,  # autocommit: fresh snapshots
+        ):
+            holder.execute("BEGIN")
+            holder.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
+            proc = subprocess.Popen(
+                [*jobrun_cli.JOBRUN, "overlap", "--first", blocked, "--second", blocked,
+                 "--runs", "1", "--timeout", "100s"],
+                env=jobrun_cli.environment(dsn),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            try:
+                jobrun_cli.wait_until(
+                    lambda: watcher.execute(count + " AND wait_event_type = 'Lock'", (names,))
+                    .fetchone() == (2,),
+                    what="both commands waiting for the row",
+                )  # fmt: skip
+                proc.send_signal(signum)
+                stdout, stderr = proc.communicate(timeout=60)
+                left = watcher.execute(count, (names,)).fetchone()
+            finally:
+                proc.kill()
+                proc.communicate()
+                pids = [int(pid) for pid in marker.read_text().split()]
+                for pid in pids:
+                    if not jobrun_cli.group_gone(pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pid, signal.SIGKILL)
+                holder.execute("ROLLBACK")
+        name = signal.Signals(signum).name
+        assert proc.returncode == 128 + signum, stdout + stderr
+        assert stderr.strip() == (
+            ""  # Ctrl-C: quiet, as everywhere in jobrun
+            if signum == signal.SIGINT
+            else f"jobrun: error: interrupted by {name}: the commands were killed and their "
+            "database sessions ended"
+        )
+        assert len(pids) == 2
+        assert all(jobrun_cli.group_gone(pid) for pid in pids)
+        assert left == (0,)
+
+
+class TestSecrets:
+    """Bad input never echoes a password."""
+
+    @pytest.mark.parametrize("option", ["--first", "--second"])
+    def test_quoting_error_masks_the_password(self, option):
+        """A connection string in an unclosed quote: exit 64, one line, password masked."""
+        command = "psql postgresql://postgres:Secr3tPw@127.0.0.1/x '"
+        other = "--second" if option == "--first" else "--first"
+        result = jobrun_cli.run(
+            "overlap", option, command, other, "true", dsn="host=127.0.0.1 port=1"
+        )
+        assert result.returncode == 64, result.stderr
+        assert "Secr3tPw" not in result.stderr + result.stdout
+        assert result.stderr.strip() == (
+            f'jobrun: error: {option} "psql postgresql://postgres:***@127.0.0.1/x \'": '
+            "No closing quotation"
+        )
