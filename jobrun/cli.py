@@ -310,7 +310,13 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     from jobrun.locks import Identity, Lock, new_run_id
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
-    fd = log.open_log_file(o["log_file"]) if o["log_file"] else None
+    fd, log_file_error = None, None
+    if o["log_file"]:
+        # A log file that cannot be opened never costs the job its run: stderr instead.
+        try:
+            fd = log.open_log_file(o["log_file"])
+        except UsageError as exc:
+            log_file_error = str(exc)
     logger = log.configure(
         fmt=o["log_format"],
         level=o["log_level"],
@@ -343,6 +349,8 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         once_per=timing.once_per,
     )
     recorder = _recorder(o, target, identity, run_keys, log=bound, timing=timing)
+    if log_file_error is not None:
+        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
     if dsn_on_command_line and target.has_password:
         bound.warning(

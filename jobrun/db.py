@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,9 +76,17 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
 def describe(target: Target) -> str:
     """``host:port/dbname`` as far as the DSN says: safe to log (no user, no password)."""
     params = parse_dsn(target.dsn)
-    host = params.get("host") or params.get("hostaddr") or "(libpq default host)"
-    port = params.get("port") or "(default port)"
-    dbname = params.get("dbname") or "(default database)"
+    env = os.environ
+    # As libpq resolves them: the DSN, then the PG* variables, then its built-in defaults.
+    host = params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "local socket"
+    port = params.get("port") or env.get("PGPORT") or "5432"
+    dbname = (
+        params.get("dbname")
+        or env.get("PGDATABASE")
+        or params.get("user")
+        or env.get("PGUSER")
+        or "(default database)"
+    )
     return f"{host}:{port}/{dbname}"
 
 

@@ -85,6 +85,8 @@ class Drill:
     interrupts: Interrupts = field(default_factory=lambda: Interrupts(_stop))
     #: The step under way (name, start): an exception or a signal fails it.
     current: tuple[str, float] | None = None
+    #: Lease owners the drill made up (the stranger it hands a lease to).
+    owners: list[str] = field(default_factory=list)
 
     def args(self, *extra: str) -> list[str]:
         """Jobrun's argv for a run of this drill's key and mode."""
@@ -365,15 +367,20 @@ def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
         f"mode {drill.mode}, database {db.describe(drill.target)}"
     )
     with drill.interrupts.installed():
+        failure: BaseException | None = None
         try:
             _steps(drill)
-        except Interrupted as exc:
-            drill.record(passed=False, detail=str(exc))
-        except Exception as exc:  # noqa: BLE001 - a step that raised failed; the runs are stopped
-            drill.record(passed=False, detail=f"error: {db.one_line(exc, drill.target)}")
-        finally:
-            drill.interrupts.stop_raising()
-            _stop_runs(drill)
+        except BaseException as exc:  # noqa: BLE001 - recorded below, once signals are held
+            failure = exc
+        # From here on a signal is only noted: the checklist and the cleanup run to the end.
+        drill.interrupts.stop_raising()
+        if isinstance(failure, Interrupted):
+            drill.record(passed=False, detail=str(failure))
+        elif isinstance(failure, Exception):  # a step that raised failed; the runs are stopped
+            drill.record(passed=False, detail=f"error: {db.one_line(failure, drill.target)}")
+        _stop_runs(drill)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # KeyboardInterrupt from elsewhere, SystemExit: after the cleanup
     for step in drill.steps:
         mark = "PASS" if step.passed else "FAIL"
         detail = f"  {step.detail}" if step.detail else ""
@@ -524,7 +531,7 @@ def _next_run_session(drill: Drill, killed: _Killed) -> None:
     detail = (
         f"lock free {freed_after:.2f}s after the kill"
         + ("" if in_time else f" (expected at once: within {AT_ONCE:g}s)")
-        + (f"; next run acquired {took:.2f}s after the kill" if status == 0 else f"; {run.why()}")
+        + (f"; next run done {took:.2f}s after the kill" if status == 0 else f"; {run.why()}")
     )
     drill.record(passed=in_time and status == 0, detail=detail)
 
@@ -605,15 +612,24 @@ def _take_lock_away(drill: Drill) -> str:
             except psycopg.errors.InsufficientPrivilege:
                 return "could not terminate the backend (needs pg_signal_backend)"
             return "backend terminated" if any(row[0] for row in rows) else "backend not found"
-        conn.execute(sql.DRILL_STEAL_LEASE, (str(uuid.uuid4()), drill.key.lock_id))
+        stranger = str(uuid.uuid4())
+        drill.owners.append(stranger)
+        conn.execute(sql.DRILL_STEAL_LEASE, (stranger, drill.key.lock_id))
         return "lease handed to another owner"
 
 
 def _cleanup(drill: Drill) -> None:
+    """Remove a lease the drill's runs left (a killed run's): never another job's lease."""
     if drill.mode != "lease":
         return
+    owners = [*drill.owners]
+    owners += [
+        str(run.events[0]["run_id"])
+        for run in drill.runs
+        if run.events and "run_id" in run.events[0]
+    ]
     try:
         with drill.connect() as conn:
-            conn.execute(sql.DRILL_DELETE_LEASE, (drill.key.lock_id,))
+            conn.execute(sql.DRILL_DELETE_LEASE, (drill.key.lock_id, owners))
     except (psycopg.Error, LockStoreUnavailable):
         pass

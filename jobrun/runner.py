@@ -121,7 +121,13 @@ def child_environment(environ: Mapping[str, str], job: Job, run_id: str) -> dict
     from jobrun.db import application_name  # noqa: PLC0415 - keeps this module light
 
     env = dict(environ)
-    env["JOBRUN_KEY"] = describe(job.keys)
+    # In the form jobrun reads them back: a nested jobrun without keys of its own takes
+    # (tries to take) exactly ours. Names one per line; raw --lock-id keys have none.
+    names = [key.name for key in job.keys if key.name is not None]
+    if names:
+        env["JOBRUN_KEY"] = "\n".join(names)
+    else:
+        env.pop("JOBRUN_KEY", None)
     env["JOBRUN_LOCK_ID"] = ",".join(str(key.lock_id) for key in job.keys)
     env["JOBRUN_RUN_ID"] = run_id
     env.setdefault("PGAPPNAME", application_name(describe(job.keys)))

@@ -26,6 +26,15 @@ SELECT set_config('tcp_keepalives_idle', %s, false),
        pg_is_in_recovery()
 """
 
+#: Session mode must also respect a lease-mode run of the same key: checked after the
+#: advisory locks are ours, so a lease written before that is seen (see LEASE_NO_SESSION_LOCK).
+SESSION_LEASED = """
+SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
+WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
+ORDER BY lock_id
+LIMIT 1
+"""
+
 TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
 LOCK = "SELECT pg_advisory_lock(%s)"
 UNLOCK = "SELECT pg_advisory_unlock(%s)"
@@ -87,6 +96,24 @@ ON CONFLICT (lock_id) DO UPDATE
 RETURNING l.lock_id
 """
 
+#: Lease mode must also respect a session-mode run of the same key (a fleet moving from one
+#: mode to the other): a transaction-scoped advisory lock on every id, which fails while a
+#: session holds one; taken just before the lease is written, released at our COMMIT.
+LEASE_NO_SESSION_LOCK = """
+SELECT bool_and(pg_try_advisory_xact_lock(id)) FROM unnest(%(lock_ids)s::int8[]) AS id
+"""
+
+#: The session holding one of these advisory lock ids in this database (a session-mode run).
+SESSION_HOLDER_OF_ANY = """
+SELECT (l.classid::int8 << 32) | l.objid::int8, l.pid, host(a.client_addr),
+       a.application_name, a.backend_start
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.classid::int8 << 32) | l.objid::int8) = ANY(%(lock_ids)s::int8[])
+LIMIT 1
+"""
+
 LEASE_HOLDERS = """
 SELECT lock_id, key, owner, host, pid, acquired_at, renewed_at, expires_at
 FROM jobrun.leases
@@ -135,7 +162,10 @@ FROM (SELECT 1) AS one LEFT JOIN jobrun.leases AS l ON l.lock_id = %s
 #: A stranger takes the lease over: the holder's next owner-checked renewal must fail.
 DRILL_STEAL_LEASE = "UPDATE jobrun.leases SET owner = %s WHERE lock_id = %s"
 
-DRILL_DELETE_LEASE = "DELETE FROM jobrun.leases WHERE lock_id = %s"
+#: Only leases the drill's own runs (or its stranger) own: never a real job's.
+DRILL_DELETE_LEASE = """
+DELETE FROM jobrun.leases WHERE lock_id = %s AND owner::text = ANY(%s::text[])
+"""
 
 # --- run history (issue 4) --------------------------------------------------------------------
 

@@ -32,7 +32,6 @@ BAD_INVOCATIONS = {
     "no key": ["--", "true"],
     "unknown option": ["--key", "k", "--frobnicate", "--", "true"],
     "bad dsn": ["--key", "k", "--dsn", "host=x port", "--", "true"],
-    "bad log file": ["--key", "k", "--log-file", "/nonexistent/dir/log", "--", "true"],
     "bad connect timeout": ["--key", "k", "--connect-timeout", "1 minute", "--", "true"],
     "endless duration": ["--key", "k", "--once-per", "9" * 400, "--", "true"],
     "ten years and a day": ["--key", "k", "--timeout", "3651d", "--", "true"],

@@ -164,6 +164,22 @@ class TestDrill:
         assert "[FAIL] guarded run started" in result.stdout
         assert "drill FAILED" in result.stdout
 
+    def test_a_busy_lease_is_left_to_its_owner(self, dsn, key, tmp_path):
+        """Lease mode, key held by a real job: the drill fails and never deletes its lease."""
+        marker = tmp_path / "holder"
+        lease = ("--key", key, "--mode", "lease", "--ttl", "30s")
+        holder = jobrun_cli.start(*lease, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        try:
+            jobrun_cli.wait_for_file(marker)
+            result = jobrun_cli.run("drill", "--key", key, "--mode", "lease", dsn=dsn, timeout=120)
+            third = jobrun_cli.run(*lease, "--", "true", dsn=dsn)
+        finally:
+            stderr = jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        assert result.returncode == 1, result.stdout
+        assert third.returncode == 75, third.stderr
+        assert holder.returncode == 143, stderr
+        assert '"lock_lost"' not in stderr
+
     def test_drill_without_database_is_exit_69_on_one_line(self, key):
         """An unreachable database: one error line, exit 69, nothing started, no checklist."""
         result = jobrun_cli.run(

@@ -248,6 +248,24 @@ class TestNested:
         assert result.returncode == 0, result.stderr
         assert marker.exists()
 
+    @pytest.mark.parametrize(
+        "keys_args",
+        [("--key", "{key}-a", "--key", "{key}-b"), ("--lock-id", "77"), ("--key", "{key}")],
+        ids=["two keys", "raw lock id", "one key"],
+    )
+    def test_a_nested_jobrun_without_keys_tries_exactly_the_outer_ones(
+        self, dsn, key, keys_args, tmp_path
+    ):
+        """The child's JOBRUN_KEY / JOBRUN_LOCK_ID read back as the outer keys: it skips."""
+        marker = tmp_path / "inner"
+        args = [arg.format(key=key) for arg in keys_args]
+        if "77" in args:  # a raw id of this test's own
+            args = ["--lock-id", str(keys.lock_id_for(key))]
+        inner = [*jobrun_cli.JOBRUN, "--", "touch", str(marker)]
+        result = jobrun_cli.run(*args, "--", *inner, dsn=dsn)
+        assert result.returncode == 75, result.stderr
+        assert not marker.exists()
+
     def test_blank_lines_in_jobrun_key_are_skipped(self, dsn, key, tmp_path):
         """JOBRUN_KEY with a trailing newline (as a file read into it has) names one key."""
         marker = tmp_path / "ran"
@@ -257,6 +275,47 @@ class TestNested:
         assert result.returncode == 0, result.stderr
         assert event(result.stderr, "started")["key"] == key
         assert marker.exists()
+
+
+class TestMixedModes:
+    """A key held in one mode is held for the other mode too (a fleet switching modes)."""
+
+    def test_a_lease_run_skips_while_a_session_run_holds_the_key(self, dsn, key, tmp_path):
+        """Session first: the lease run skips and names the session's backend."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start("--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn)
+        ran = tmp_path / "ran"
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run(
+                "--key", key, "--mode", "lease", "--", "touch", str(ran), dsn=dsn
+            )  # fmt: skip
+            session_backends = advisory_holders(dsn, key)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 75, result.stderr
+        assert event(result.stderr, "skipped")["holder_backend_pid"] in session_backends
+        assert not ran.exists()
+
+    def test_a_session_run_skips_while_a_lease_run_holds_the_key(self, dsn, key, tmp_path):
+        """Lease first: the session run skips, names the lease's run, and keeps no lock."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start(
+            "--key", key, "--mode", "lease", "--", *jobrun_cli.holder_marker(marker), dsn=dsn
+        )  # fmt: skip
+        ran = tmp_path / "ran"
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run("--key", key, "--", "touch", str(ran), dsn=dsn)
+            left_behind = advisory_holders(dsn, key)
+        finally:
+            stderr = jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 75, result.stderr
+        skipped = event(result.stderr, "skipped")
+        assert skipped["holder_run_id"] == event(stderr, "started")["run_id"]
+        assert "holder_expires_at" in skipped
+        assert left_behind == []
+        assert not ran.exists()
 
 
 class TestForeignHolders:
@@ -708,6 +767,18 @@ class TestJobrunItselfFails:
         )
         assert result.returncode == 0, result.stderr
         assert marker.exists()
+        assert event(result.stderr, "finished")["outcome"] == "succeeded"
+
+    def test_a_log_file_that_cannot_be_opened_falls_back_to_stderr(self, dsn, key, tmp_path):
+        """A missing directory for --log-file: an error line on stderr, and the run goes on."""
+        marker = tmp_path / "ran"
+        missing = tmp_path / "no-such-dir" / "events.log"
+        result = jobrun_cli.run(
+            "--key", key, "--log-file", str(missing), "--", "touch", str(marker), dsn=dsn
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+        assert str(missing) in event(result.stderr, "log_file_unavailable")["error"]
         assert event(result.stderr, "finished")["outcome"] == "succeeded"
 
     def test_unwritable_stderr_never_stops_the_job(self, dsn, key, tmp_path):

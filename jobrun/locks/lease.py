@@ -117,6 +117,8 @@ class LeaseLock:
                 self._held = True
                 self.confirmed_at = sent
                 return None
+            if taken is None:
+                return self._session_holder(conn)
             row = conn.execute(sql.LEASE_HOLDERS, self._params).fetchone()
         if row is None:  # expired or released between the two statements: try again later
             return Holder(key=describe(self._keys))
@@ -130,13 +132,38 @@ class LeaseLock:
             expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
         )
 
-    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
-        """All leases in one statement and one transaction; roll back unless we got all."""
+    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | None:
+        """All leases in one statement and one transaction; roll back unless we got all.
+
+        True: taken. False: another run's lease is in the way. None: a session-mode run
+        holds one of the keys (WARNING: the two modes must exclude each other too).
+        """
+        session_held = False
         with conn.transaction():
-            rows = conn.execute(sql.LEASE_ACQUIRE, self._params).fetchall()
-            if len(rows) == len(self._keys):
-                return True
+            free = conn.execute(sql.LEASE_NO_SESSION_LOCK, self._params).fetchone()
+            if free and free[0]:
+                rows = conn.execute(sql.LEASE_ACQUIRE, self._params).fetchall()
+                if len(rows) == len(self._keys):
+                    return True
+            else:
+                session_held = True
             raise psycopg.Rollback
+        return None if session_held else False
+
+    def _session_holder(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder:
+        """Who holds one of our keys as a session-mode advisory lock."""
+        row = conn.execute(sql.SESSION_HOLDER_OF_ANY, self._params).fetchone()
+        if row is None:  # released in the meantime: a skip all the same, this time
+            return Holder(key=describe(self._keys))
+        lock_id, backend_pid, client_addr, app_name, backend_start = row
+        label = next((key.label for key in self._keys if key.lock_id == lock_id), str(lock_id))
+        return Holder(
+            key=label,
+            since=backend_start.isoformat(timespec="seconds") if backend_start else None,  # type: ignore[attr-defined]
+            backend_pid=int(str(backend_pid)),
+            client_addr=None if client_addr is None else str(client_addr),
+            application_name=None if app_name is None else str(app_name),
+        )
 
     def check(self) -> None:
         """Renew every lease, owner-checked; a lease that is no longer ours is lost."""

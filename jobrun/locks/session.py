@@ -99,8 +99,12 @@ class SessionLock:
             with db.translate_errors(self._target, "taking the advisory lock"):
                 blocked = self._take_all(conn, wait)
                 if blocked is None:
-                    self.confirmed_at = time.monotonic()
-                    return None
+                    leased = self._leased(conn)
+                    if leased is None:
+                        self.confirmed_at = time.monotonic()
+                        return None
+                    self._unlock_taken(conn)
+                    return leased
                 self._unlock_taken(conn)
                 return self._holder_of(conn, blocked)
         except BaseException:
@@ -139,6 +143,41 @@ class SessionLock:
             conn.execute(sql.SET_LOCK_TIMEOUT, ("0",))
             return True
         return False
+
+    def _leased(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder | None:
+        """The lease-mode run holding one of our keys, if any (checked once ours are taken).
+
+        WARNING: the two modes must exclude each other (a fleet moving from one mode to the
+        other runs both): lease mode takes a transaction lock on the same ids as it writes
+        its lease, so a lease written before our locks were granted is visible here.
+        """
+        try:
+            # With the comment, as every statement here: the session's last query names us.
+            row = conn.execute(
+                self._comment + sql.SESSION_LEASED, ([key.lock_id for key in self._keys],)
+            ).fetchone()
+        except errors.UndefinedTable:  # lease mode never ran in this database
+            return None
+        except errors.InsufficientPrivilege as exc:
+            # A role that cannot read the leases cannot hold one either: only a host running
+            # lease mode as another role could be missed. Say so, and go on.
+            self._log.warning(
+                "lease_check_failed",
+                error=db.one_line(exc, self._target),
+                note="lease-mode runs of this key (by other roles) cannot be seen",
+            )
+            return None
+        if row is None:
+            return None
+        label, owner, host, pid, acquired_at, expires_at = row
+        return Holder(
+            key=str(label),
+            host=_str_or_none(host),
+            pid=_int_or_none(pid),
+            run_id=_str_or_none(owner),
+            since=acquired_at.isoformat(timespec="seconds") if acquired_at else None,  # type: ignore[attr-defined]
+            expires_at=expires_at.isoformat(timespec="seconds") if expires_at else None,  # type: ignore[attr-defined]
+        )
 
     def _holder_of(self, conn: psycopg.Connection[tuple[object, ...]], key: Key) -> Holder:
         classid, objid = key.pg_locks_pair
