@@ -369,16 +369,20 @@ def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
     with drill.interrupts.installed():
         failure: BaseException | None = None
         try:
-            _steps(drill)
-        except BaseException as exc:  # noqa: BLE001 - recorded below, once signals are held
-            failure = exc
-        # From here on a signal is only noted: the checklist and the cleanup run to the end.
-        drill.interrupts.stop_raising()
-        if isinstance(failure, Interrupted):
-            drill.record(passed=False, detail=str(failure))
-        elif isinstance(failure, Exception):  # a step that raised failed; the runs are stopped
-            drill.record(passed=False, detail=f"error: {db.one_line(failure, drill.target)}")
-        _stop_runs(drill)
+            try:
+                _steps(drill)
+            except BaseException as exc:  # noqa: BLE001 - recorded below, once signals are held
+                failure = exc
+            # From here on a signal is only noted: the checklist and the cleanup run to the end.
+            drill.interrupts.stop_raising()
+            if isinstance(failure, Interrupted):
+                drill.record(passed=False, detail=str(failure))
+            elif isinstance(failure, Exception):  # a step that raised failed
+                drill.record(passed=False, detail=f"error: {db.one_line(failure, drill.target)}")
+        finally:
+            # Even if a signal slipped in before stop_raising(): no run is left behind.
+            drill.interrupts.stop_raising()
+            _stop_runs(drill)
         if failure is not None and not isinstance(failure, Exception):
             raise failure  # KeyboardInterrupt from elsewhere, SystemExit: after the cleanup
     for step in drill.steps:
