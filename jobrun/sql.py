@@ -106,7 +106,7 @@ SELECT bool_and(pg_try_advisory_xact_lock(id)) FROM unnest(%(lock_ids)s::int8[])
 #: The session holding one of these advisory lock ids in this database (a session-mode run).
 SESSION_HOLDER_OF_ANY = """
 SELECT (l.classid::int8 << 32) | l.objid::int8, l.pid, host(a.client_addr),
-       a.application_name, a.backend_start
+       a.application_name, a.backend_start, a.query
 FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -126,6 +126,8 @@ LEASE_RENEW = """
 UPDATE jobrun.leases
 SET renewed_at = clock_timestamp(), expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
 WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s
+  -- An expired lease is not renewed: another run (of either mode) may have started on it.
+  AND expires_at > clock_timestamp()
 RETURNING lock_id
 """
 

@@ -343,6 +343,21 @@ class TestLeaseFaults:
         assert event_time(event(after.stderr, "started")) >= expires
         assert children.overlaps() == []
 
+    def test_an_expired_lease_is_not_renewed(self, dsn, key, children):
+        """Expired (here: by hand) means gone: the next renewal fails, exit 76."""
+        args = ("--key", key, "--mode", "lease", "--ttl", "60s", "--kill-after", "1s",
+                "--heartbeat", "500ms")  # fmt: skip
+        proc, child = start_holder(children, *args, dsn=dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE jobrun.leases SET expires_at = clock_timestamp() - interval '1 second'"
+                " WHERE lock_id = %s",
+                (keys.lock_id_for(key),),
+            )
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 76, stderr
+        assert jobrun_cli.process_gone(child)
+
     def test_partial_loss_releases_the_leases_still_held(self, dsn, key, children):
         """One of two leases taken away: exit 76, and the other one is free at once."""
         keep, lose = f"{key}-keep", f"{key}-lose"

@@ -294,7 +294,9 @@ class TestMixedModes:
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
         assert result.returncode == 75, result.stderr
-        assert event(result.stderr, "skipped")["holder_backend_pid"] in session_backends
+        skipped = event(result.stderr, "skipped")
+        assert skipped["holder_backend_pid"] in session_backends
+        assert skipped["holder_pid"] == holder.pid  # from the session's holder comment
         assert not ran.exists()
 
     def test_a_session_run_skips_while_a_lease_run_holds_the_key(self, dsn, key, tmp_path):

@@ -152,18 +152,14 @@ class LeaseLock:
 
     def _session_holder(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder:
         """Who holds one of our keys as a session-mode advisory lock."""
+        from jobrun.locks.session import session_holder  # noqa: PLC0415 - rare path
+
         row = conn.execute(sql.SESSION_HOLDER_OF_ANY, self._params).fetchone()
         if row is None:  # released in the meantime: a skip all the same, this time
             return Holder(key=describe(self._keys))
-        lock_id, backend_pid, client_addr, app_name, backend_start = row
+        lock_id, *session = row
         label = next((key.label for key in self._keys if key.lock_id == lock_id), str(lock_id))
-        return Holder(
-            key=label,
-            since=backend_start.isoformat(timespec="seconds") if backend_start else None,  # type: ignore[attr-defined]
-            backend_pid=int(str(backend_pid)),
-            client_addr=None if client_addr is None else str(client_addr),
-            application_name=None if app_name is None else str(app_name),
-        )
+        return session_holder(label, session)
 
     def check(self) -> None:
         """Renew every lease, owner-checked; a lease that is no longer ours is lost."""

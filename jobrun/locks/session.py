@@ -21,6 +21,8 @@ from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from structlog.typing import FilteringBoundLogger
 
 #: Without a successful check for this long, we no longer vouch for the session: a cut
@@ -184,24 +186,7 @@ class SessionLock:
         row = conn.execute(sql.ADVISORY_HOLDER, (classid, objid)).fetchone()
         if row is None:  # released between our attempt and this query
             return Holder(key=key.label)
-        backend_pid, client_addr, app_name, backend_start, query = row
-        announced: dict[str, object] = {}
-        match = _ANNOUNCEMENT.search(str(query or ""))
-        if match:
-            # WARNING: any session can write such a comment: take nothing in it on trust.
-            with contextlib.suppress(ValueError, RecursionError):
-                announced = json.loads(match.group(1))
-        return Holder(
-            key=key.label,
-            host=_str_or_none(announced.get("host")),
-            pid=_int_or_none(announced.get("pid")),
-            run_id=_str_or_none(announced.get("run_id")),
-            since=_str_or_none(announced.get("since"))
-            or (backend_start.isoformat(timespec="seconds") if backend_start else None),  # type: ignore[attr-defined]
-            backend_pid=_int_or_none(backend_pid),
-            client_addr=_str_or_none(client_addr),
-            application_name=_str_or_none(app_name),
-        )
+        return session_holder(key.label, row)
 
     def check(self) -> None:
         """Prove the session is alive and its backend still holds every key."""
@@ -265,6 +250,32 @@ class SessionLock:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def session_holder(label: str, row: Sequence[object]) -> Holder:
+    """The session holding an advisory lock, from its pg_locks / pg_stat_activity ``row``.
+
+    ``row``: backend pid, client address, application_name, backend_start, query; the
+    holder's comment in the query (if any) names its host, pid, run id and start.
+    """
+    backend_pid, client_addr, app_name, backend_start, query = row
+    announced: dict[str, object] = {}
+    match = _ANNOUNCEMENT.search(str(query or ""))
+    if match:
+        # WARNING: any session can write such a comment: take nothing in it on trust.
+        with contextlib.suppress(ValueError, RecursionError):
+            announced = json.loads(match.group(1))
+    started = backend_start.isoformat(timespec="seconds") if backend_start else None  # type: ignore[attr-defined]
+    return Holder(
+        key=label,
+        host=_str_or_none(announced.get("host")),
+        pid=_int_or_none(announced.get("pid")),
+        run_id=_str_or_none(announced.get("run_id")),
+        since=_str_or_none(announced.get("since")) or started,
+        backend_pid=_int_or_none(backend_pid),
+        client_addr=_str_or_none(client_addr),
+        application_name=_str_or_none(app_name),
+    )
 
 
 def _refuse_pooler(why: str) -> None:
