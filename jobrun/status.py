@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,13 +13,13 @@ from psycopg import errors
 from jobrun import keys, sql
 from jobrun.durations import format_seconds
 from jobrun.history import iso
+from jobrun.locks.session import announcement
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     Connection = psycopg.Connection[tuple[Any, ...]]
 
-_ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
 _LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
 _APP_PREFIX = "jobrun:"
 #: Run ids are UUIDs; the table shows their first 8 characters (``--json`` has them whole).
@@ -210,13 +209,7 @@ def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
     for lock_id, backend_pid, client_addr, app_name, backend_start, query in conn.execute(
         sql.STATUS_ADVISORY_LOCKS
     ).fetchall():
-        announced: dict[str, Any] = {}
-        match = _ANNOUNCEMENT.search(str(query or ""))
-        if match:
-            try:
-                announced = json.loads(match.group(1))
-            except (ValueError, RecursionError):  # any session can write such a comment
-                announced = {}
+        announced = announcement(query)
         holder = Holder(
             mode="session",
             host=_str(announced.get("host")),

@@ -252,6 +252,21 @@ class SessionLock:
             self._conn = None
 
 
+def announcement(query: object) -> dict[str, object]:
+    """What a lock session's ``/* jobrun-holder {...} */`` comment says ({} if nothing usable).
+
+    WARNING: any session can write such a comment: take nothing in it on trust (the values
+    are checked by whoever reads them).
+    """
+    match = _ANNOUNCEMENT.search(str(query or ""))
+    if match:
+        with contextlib.suppress(ValueError, RecursionError):
+            announced = json.loads(match.group(1))
+            if isinstance(announced, dict):
+                return announced
+    return {}
+
+
 def session_holder(label: str, row: Sequence[object]) -> Holder:
     """The session holding an advisory lock, from its pg_locks / pg_stat_activity ``row``.
 
@@ -259,12 +274,7 @@ def session_holder(label: str, row: Sequence[object]) -> Holder:
     holder's comment in the query (if any) names its host, pid, run id and start.
     """
     backend_pid, client_addr, app_name, backend_start, query = row
-    announced: dict[str, object] = {}
-    match = _ANNOUNCEMENT.search(str(query or ""))
-    if match:
-        # WARNING: any session can write such a comment: take nothing in it on trust.
-        with contextlib.suppress(ValueError, RecursionError):
-            announced = json.loads(match.group(1))
+    announced = announcement(query)
     started = backend_start.isoformat(timespec="seconds") if backend_start else None  # type: ignore[attr-defined]
     return Holder(
         key=label,
