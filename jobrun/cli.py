@@ -78,6 +78,14 @@ def _duration(value: str | None, option: str) -> float | None:
     return None if value is None else durations.parse(value, option=option)
 
 
+def _heartbeat(value: str | None) -> float | None:
+    """``--heartbeat`` (None: the mode's default); each beat is a query, so not too often."""
+    heartbeat = _duration(value, "--heartbeat")
+    if heartbeat is not None and heartbeat < MIN_HEARTBEAT:
+        raise UsageError("--heartbeat must be at least 100ms (each beat is a query)")
+    return heartbeat
+
+
 @click.group(
     cls=JobrunGroup,
     invoke_without_command=True,
@@ -274,9 +282,7 @@ class _Timing(NamedTuple):
 def _timing(o: dict[str, Any]) -> _Timing:
     """Parse every duration and check the invariants between them (usage errors: exit 64)."""
     kill_after = durations.parse(o["kill_after"], option="--kill-after")
-    heartbeat = _duration(o["heartbeat"], "--heartbeat")
-    if heartbeat is not None and heartbeat < MIN_HEARTBEAT:
-        raise UsageError("--heartbeat must be at least 100ms (each beat is a query)")
+    heartbeat = _heartbeat(o["heartbeat"])
     ttl = durations.parse(o["ttl"], option="--ttl")
     lifetime = 0.0
     if o["mode"] == "lease":
@@ -467,9 +473,7 @@ def drill_command(key_name: str, command: tuple[str, ...], **o: Any) -> int:
 
     key = keys.from_name(key_name)
     kill_after = durations.parse(o["kill_after"], option="--kill-after")
-    heartbeat = _duration(o["heartbeat"], "--heartbeat")
-    if heartbeat is not None and heartbeat < MIN_HEARTBEAT:
-        raise UsageError("--heartbeat must be at least 100ms (each beat is a query)")
+    heartbeat = _heartbeat(o["heartbeat"])
     ttl = durations.parse(o["ttl"], option="--ttl")
     if o["mode"] == "lease":
         timing(ttl, kill_after, heartbeat)
