@@ -128,7 +128,13 @@ def child_script(body: str) -> list[str]:
 def signal_and_wait(proc: subprocess.Popen[str], signum: int, timeout: float = 30) -> str:
     """Send ``signum`` to ``proc`` and return its stderr once it exits."""
     proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=timeout)
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        msg = f"jobrun did not exit within {timeout}s of signal {signum}; its stderr:\n{stderr}"
+        raise AssertionError(msg) from None
     return stderr
 
 
