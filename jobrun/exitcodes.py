@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import signal
 
 
 class Exit(enum.IntEnum):
@@ -12,6 +13,7 @@ class Exit(enum.IntEnum):
     USAGE = 64
     UNAVAILABLE = 69
     INTERNAL = 70
+    IO_ERROR = 74
     SKIPPED = 75
     LOCK_LOST = 76
     TIMED_OUT = 124
@@ -48,7 +50,12 @@ TABLE: tuple[tuple[str, str], ...] = (
 
 def from_wait_status(returncode: int) -> int:
     """Map a ``Popen.returncode`` (negative for a signal) to a shell-style exit status."""
-    return 128 - returncode if returncode < 0 else returncode
+    return signal_status(-returncode) if returncode < 0 else returncode
+
+
+def signal_status(signum: int) -> int:
+    """The shell's exit status for "ended by signal ``signum``": 128 + N."""
+    return 128 + signum
 
 
 class JobrunError(Exception):
@@ -81,3 +88,15 @@ class LockLost(JobrunError):
 
     exit_code = Exit.LOCK_LOST
     event = "lock_lost"
+
+
+class Interrupted(JobrunError):
+    """A stop signal arrived: jobrun stopped what it started and exits 128 + N."""
+
+    event = "interrupted"
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}{': ' + detail if detail else ''}")
+        self.signum = signum
+        self.exit_code = signal_status(signum)
