@@ -140,7 +140,10 @@ class Subcommand(click.Command):
 
         if self.keys_as == "option":
             if lock_ids or len(names) != 1:
-                raise UsageError(f"'jobrun {name}' takes one key name: --key NAME")
+                raise UsageError(
+                    f"'jobrun {name}' takes one key name (--key NAME), "
+                    + ("not --lock-id" if lock_ids else f"not {len(names)}")
+                )
             if "key_name" in given_after:
                 raise UsageError(f"--key is given both before and after {name!r}: give it once")
             return ["--key", names[0], *args]
