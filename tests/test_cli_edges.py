@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobrun import __version__
+from jobrun.exitcodes import TABLE
 from support import jobrun_cli
 
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
@@ -68,8 +69,6 @@ class TestOutputErrors:
 
     def test_exit_codes_are_in_the_table(self):
         """74 and 141 are documented with the others."""
-        from jobrun.exitcodes import TABLE
-
         assert {"74", "141"} <= {status for status, _ in TABLE}
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from jobrun.cli import cli
 from support import jobrun_cli
 
 #: Nothing listens on port 1: a command that uses this database exits 69 quickly.
@@ -114,7 +115,7 @@ class TestRunOptionsBeforeSubcommand:
         ("option", "subcommand"),
         [
             (["--wait", "5s"], ["status"]),
-            (["--log-file", "/tmp/jobrun-never.log"], ["status"]),
+            (["--log-file", "jobrun-never.log"], ["status"]),
             (["--log-format", "json"], ["doctor"]),
             (["--no-history"], ["history", "k"]),
             (["--dsn", CLOSED], ["key", "a"]),
@@ -174,7 +175,7 @@ class TestEnvironment:
             {"JOBRUN_KEY": "\u200b"},
             {"JOBRUN_ON_ALERT": "'unbalanced"},
         ],
-        ids=lambda variables: ",".join(variables),
+        ids=",".join,
     )
     def test_run_variables_do_not_break_key_or_status(self, dsn, variables):
         """`jobrun key` and `jobrun status` ignore what only configures a run."""
@@ -184,8 +185,6 @@ class TestEnvironment:
 
     def test_help_shows_each_variable(self):
         """Every option with a variable shows it in --help."""
-        from jobrun.cli import cli
-
         result = jobrun_cli.run("--help", dsn=None)
         text = " ".join(result.stdout.split())
         for param in cli.params:
