@@ -67,6 +67,17 @@ class TestOutputErrors:
         assert result.returncode == 141
         assert result.stderr == ""
 
+    def test_drill_into_a_closed_pipe_ends_quietly_with_141(self, dsn):
+        """`jobrun drill ... | head -1` once head is gone: 141, no traceback, no error line."""
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = run_with_stdout(["drill", "--key", "drill-closed-pipe"], write_end, dsn)
+        finally:
+            os.close(write_end)
+        assert result.returncode == 141, result.stderr
+        assert result.stderr == ""
+
     def test_exit_codes_are_in_the_table(self):
         """74 and 141 are documented with the others."""
         assert {"74", "141"} <= {status for status, _ in TABLE}

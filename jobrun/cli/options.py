@@ -64,8 +64,10 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
 
     name = "duration"
 
-    def __init__(self, minimum: float = 0.0, why: str = "") -> None:
-        self.minimum = minimum
+    def __init__(self, minimum: str = "0", why: str = "") -> None:
+        #: As written in messages (``100ms``), and in seconds.
+        self.minimum_text = minimum
+        self.minimum = durations.parse(minimum)
         self.why = why
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
@@ -76,7 +78,7 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
         seconds = durations.parse(str(value), option=where)
         if seconds < self.minimum:
             raise UsageError(
-                f"{where} must be at least {durations.format_seconds(self.minimum)}"
+                f"{where} must be at least {self.minimum_text}"
                 + (f" ({self.why})" if self.why else "")
             )
         return seconds
@@ -180,7 +182,7 @@ log = _stack(
 )
 
 #: Each beat is a query: not more often than this.
-MIN_HEARTBEAT = 0.1
+MIN_HEARTBEAT = "100ms"
 kill_after = option(
     "--kill-after",
     envvar="JOBRUN_KILL_AFTER",

@@ -135,7 +135,7 @@ class Settings(NamedTuple):
 @options.option(
     "--once-per",
     envvar="JOBRUN_ONCE_PER",
-    type=options.Duration(minimum=1.0, why="it names a window, e.g. 1h or 1d"),
+    type=options.Duration(minimum="1s", why="it names a window, e.g. 1h or 1d"),
     metavar="DURATION",
     help="Skip (already_ran) if the key already ran in this UTC-aligned window, e.g. 1d.",
 )
