@@ -26,7 +26,7 @@ from jobrun.cli import main
 from jobrun.exitcodes import Exit
 from support import jobrun_cli
 
-SECRET = "s3cr3tpw"
+SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show
 #: Nothing listens on port 1: connecting fails at once, so no example needs a server.
 CLOSED_HOST = "127.0.0.1"
 TOUCH = shutil.which("touch") or "/usr/bin/touch"
@@ -180,7 +180,7 @@ def base_environment() -> dict[str, str]:
     """What every example starts from: no real database reachable by any default."""
     return {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": os.environ.get("HOME", "/tmp"),
+        "HOME": os.environ.get("HOME", str(Path.home())),
         "PGHOST": CLOSED_HOST,
         "PGPORT": "1",
         "PGCONNECT_TIMEOUT": "1",
