@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
-from click.core import ParameterSource
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
-
-if TYPE_CHECKING:
-    from jobrun import db
 
 
 def register(group: click.Group) -> None:
@@ -19,21 +13,6 @@ def register(group: click.Group) -> None:
     group.add_command(status_command)
     group.add_command(history_command)
     group.add_command(doctor_command)
-
-
-def target(dsn: str, connect_timeout: float) -> db.Target:
-    """The database to use, warning (on stderr) about a password given in --dsn."""
-    from jobrun import db
-
-    built = db.Target(dsn=dsn, connect_timeout=connect_timeout)
-    context = click.get_current_context()
-    if built.has_password and context.get_parameter_source("dsn") == ParameterSource.COMMANDLINE:
-        click.echo(
-            "jobrun: warning: a password in --dsn is visible to every user in ps; use "
-            "~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
-            err=True,
-        )
-    return built
 
 
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
@@ -55,7 +34,7 @@ def status_command(
 
     for label in key_labels:
         keys.validate_label(label)
-    where = target(dsn, connect_timeout)
+    where = options.target(dsn, connect_timeout)
     with (
         db.connect(where, app_name="jobrun-status") as conn,
         db.translate_errors(where, "reading the status"),
@@ -96,7 +75,7 @@ def history_command(
     from jobrun import db, keys, status
 
     keys.validate_label(key_label)
-    where = target(dsn, connect_timeout)
+    where = options.target(dsn, connect_timeout)
     with (
         db.connect(where, app_name="jobrun-history") as conn,
         db.translate_errors(where, "reading the history"),
@@ -130,7 +109,7 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
 
     from jobrun import db, doctor
 
-    where = target(dsn, connect_timeout)
+    where = options.target(dsn, connect_timeout)
     with db.connect(where, app_name="jobrun-doctor") as conn:
         findings = doctor.diagnose(conn, where, mode=mode)
     if as_json:

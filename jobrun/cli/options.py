@@ -1,4 +1,4 @@
-"""Every option and value type of the command line, declared once (click only, no I/O)."""
+"""Every option and value type of the command line, declared once, and the database target."""
 
 from __future__ import annotations
 
@@ -13,9 +13,32 @@ from jobrun.exitcodes import UsageError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from jobrun import db
+
 MODES = ("session", "lease")
 #: ctx.meta key: the group's context, when a subcommand follows the group's options.
 SUBCOMMAND_FOLLOWS = "jobrun.subcommand_follows"
+
+
+def target(dsn: str, connect_timeout: float, *, warn: bool = True) -> db.Target:
+    """The database a command uses; a password given in --dsn is warned about on stderr.
+
+    (A run warns with its ``password_on_command_line`` event instead: ``warn=False``.)
+    """
+    from jobrun import db
+
+    built = db.Target(dsn=dsn, connect_timeout=connect_timeout)
+    context = click.get_current_context(silent=True)
+    on_command_line = (
+        context is not None and context.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
+    )
+    if warn and on_command_line and built.has_password:
+        click.echo(
+            "jobrun: warning: a password in --dsn is visible to every user in ps; use "
+            "~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+            err=True,
+        )
+    return built
 
 
 def source_of(param: click.Parameter | None, ctx: click.Context | None) -> str:

@@ -8,7 +8,6 @@ import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
-from jobrun.cli.ops import target
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -87,7 +86,7 @@ def overlap_command(
     plan = overlap.Plan(
         first=overlap.parse_command(first, option="--first"),
         second=overlap.parse_command(second, option="--second"),
-        target=target(dsn, connect_timeout),
+        target=options.target(dsn, connect_timeout),
         runs=runs,
         timeout=timeout,
         start_after=overlap.parse_start_after(start_after),

@@ -286,11 +286,11 @@ def _keys(
 
 def _run(argv: tuple[str, ...], settings: Settings) -> int:
     """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import db, log, runner
+    from jobrun import log, runner
     from jobrun.locks import Identity, Lock, new_run_id
 
     run_keys = settings.run_keys
-    target = db.Target(dsn=settings.dsn, connect_timeout=settings.connect_timeout)
+    target = options.target(settings.dsn, settings.connect_timeout, warn=False)
     fd, log_file_error = None, None
     if settings.log_file:
         # A log file that cannot be opened never costs the job its run: stderr instead.

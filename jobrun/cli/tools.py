@@ -99,7 +99,6 @@ def drill_command(
     signal N (its runs are stopped too). Use a key no real job uses.
     """
     from jobrun import db, drill
-    from jobrun.cli.ops import target
 
     key = keys.from_name(key_name)
     if mode == "lease":
@@ -109,7 +108,7 @@ def drill_command(
     plan = drill.Drill(
         key=key,
         mode=mode,
-        target=target(dsn, connect_timeout),
+        target=options.target(dsn, connect_timeout),
         command=command or DRILL_COMMAND,
         ttl=ttl,
         kill_after=kill_after,
