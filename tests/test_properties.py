@@ -49,6 +49,8 @@ PROFILE = os.environ.get("JOBRUN_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 #: Examples run as real processes (each costs an interpreter start).
 PROCESS_EXAMPLES = 25 if PROFILE == "ci" else 300
+#: pytest-timeout's limit for one whole property test (all of its examples).
+WHOLE_TEST_TIMEOUT = 120 if PROFILE == "ci" else 3600
 
 #: Examples tried per test, reported at the end of the run (whatever -s says).
 TRIED: dict[str, int] = {}
@@ -280,6 +282,7 @@ def mark_dir():
         yield Path(directory)
 
 
+@pytest.mark.timeout(WHOLE_TEST_TIMEOUT)
 class TestCommandLines:
     """Whatever the command line and the environment, jobrun ends in a documented way."""
 
