@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -12,31 +13,53 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from jobrun import keys, sql, throwaway
+from jobrun import db, keys, sql, throwaway
+from jobrun.exitcodes import LockStoreUnavailable
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
 
+#: Signs in libpq's message that a server answered and refused us (rather than no server):
+#: an error the server sent (its severity) or an authentication request we cannot meet.
+_ANSWERED = ("FATAL:", "ERROR:", "fe_sendauth")
+
+
 @contextlib.contextmanager
-def database(dsn: str, say: Callable[[str], None]) -> Iterator[str]:
-    """The configured database when one answers, else a throwaway server for the demo."""
+def database(target: db.Target, say: Callable[[str], None]) -> Iterator[str]:
+    """The configured database when one answers, else a throwaway server for the demo.
+
+    A server that answers but refuses us (no such role or database, wrong password) is
+    an error: the demo must not pass on a throwaway server while the real one is misused.
+    """
+    where = db.describe(target)
     try:
-        with psycopg.connect(dsn, connect_timeout=3):
+        with psycopg.connect(target.dsn, connect_timeout=max(1, math.ceil(target.connect_timeout))):
             pass
-    except psycopg.Error:
-        say("no database answers (JOBRUN_DSN / PG* variables): starting a throwaway PostgreSQL")
+    except psycopg.Error as exc:
+        message = db.one_line(exc, target)
+        if any(sign in message for sign in _ANSWERED):
+            raise LockStoreUnavailable(
+                f"the database at {where} answered but refused the demo: {message}",
+                reason="refused",
+            ) from None
+        say(
+            f"no database answers at {where} (JOBRUN_DSN / PG* variables): "
+            "starting a throwaway PostgreSQL"
+        )
         with throwaway.server() as private:
+            say(f"using the throwaway PostgreSQL at {db.describe(db.Target(dsn=private))}")
             yield private
         say("throwaway PostgreSQL stopped and removed")
         return
-    yield dsn
+    say(f"using the database at {where}")
+    yield target.dsn
 
 
-def run(dsn: str, say: Callable[[str], None]) -> int:
+def run(dsn: str, say: Callable[[str], None], *, connect_timeout: float = 3.0) -> int:
     """Run the demo; 0 when the three runs behave as promised (0, 75, 0)."""
     key = f"demo-{uuid.uuid4().hex[:8]}"
-    with database(dsn, say) as target:
+    with database(db.Target(dsn=dsn, connect_timeout=connect_timeout), say) as target:
         # The DSN goes through the environment: a password must not show up in ps.
         env = {**os.environ, "JOBRUN_DSN": target}
         env_args = [sys.executable, "-m", "jobrun", "--key", key, "--log-format", "console"]

@@ -19,6 +19,8 @@ class Exit(enum.IntEnum):
     TIMED_OUT = 124
     NOT_EXECUTABLE = 126
     NOT_FOUND = 127
+    #: 128 + SIGPIPE: the reader of a subcommand's output went away (``| head -1``).
+    BROKEN_PIPE = 141
 
 
 #: Status -> meaning, in the order the README's table lists them (a test checks the README).
@@ -45,6 +47,20 @@ TABLE: tuple[tuple[str, str], ...] = (
     (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
     (str(Exit.NOT_FOUND.value), "the command was not found"),
     (str(Exit.USAGE.value), "usage error: bad flag, key, duration or missing command"),
+    (
+        str(Exit.IO_ERROR.value),
+        (
+            "a subcommand could not write its output (stdout full, closed or failing); one "
+            "line on stderr"
+        ),
+    ),
+    (
+        str(Exit.BROKEN_PIPE.value),
+        (
+            "the reader of a subcommand's output went away (`jobrun status | head -1`): "
+            "jobrun stops quietly, as Unix tools do (128 + SIGPIPE)"
+        ),
+    ),
 )
 
 
@@ -88,6 +104,20 @@ class LockLost(JobrunError):
 
     exit_code = Exit.LOCK_LOST
     event = "lock_lost"
+
+
+class OutputError(JobrunError):
+    """Standard output cannot be written: full, closed or failing (not a bug: exit 74)."""
+
+    exit_code = Exit.IO_ERROR
+    event = "output_error"
+
+
+class PipeClosed(JobrunError):
+    """The reader of standard output went away: end quietly, as ``head`` expects."""
+
+    exit_code = Exit.BROKEN_PIPE
+    event = "pipe_closed"
 
 
 class Interrupted(JobrunError):

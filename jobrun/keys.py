@@ -48,17 +48,46 @@ def lock_id_for(name: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+#: Unicode categories a key name may not contain: control (Cc), format (Cf: zero-width
+#: spaces and joiners, bidi overrides such as U+202E), line and paragraph separators (Zl,
+#: Zp), private use (Co), surrogates (Cs) and unassigned code points (Cn). Each is invisible
+#: or renders differently from terminal to terminal, so two keys could look alike.
+REFUSED_CATEGORIES = {
+    "Cc": "a control character",
+    "Cf": "an invisible formatting character",
+    "Zl": "a line separator",
+    "Zp": "a paragraph separator",
+    "Co": "a private-use character",
+    "Cs": "a surrogate",
+    "Cn": "an unassigned code point",
+}
+#: Python decodes an argv byte that is not UTF-8 as one of these (surrogateescape).
+_ESCAPED_BYTES = range(0xDC80, 0xDD00)
+
+
 def validate_name(name: str) -> str:
-    """Return ``name`` if it is a usable key name, else raise UsageError saying why."""
+    """Return ``name`` if it is a usable key name, else raise UsageError saying why.
+
+    Refused, because two keys that look alike would be two different locks: characters of
+    the REFUSED_CATEGORIES, whitespace at either end (or only whitespace), whitespace other
+    than the ASCII space, and names not in Unicode NFC form (``é`` written as ``e`` plus a
+    combining accent). Bytes that are not UTF-8 are refused as such.
+    """
     if not name:
         raise UsageError("key name is empty")
     if len(name) > MAX_KEY_CHARS:
         raise UsageError(f"key name is {len(name)} characters long; the limit is {MAX_KEY_CHARS}")
     for position, char in enumerate(name):
-        if unicodedata.category(char) in ("Cc", "Cs"):
-            raise UsageError(
-                f"key name contains a control character (U+{ord(char):04X}) at position {position}"
-            )
+        _check_char(char, position)
+    if name.isspace():
+        raise UsageError("key name is only whitespace")
+    if name != name.strip():
+        raise UsageError(f"key name {name!r} starts or ends with whitespace")
+    if unicodedata.normalize("NFC", name) != name:
+        raise UsageError(
+            f"key name {name!r} is not in Unicode NFC form (a character and a combining "
+            "accent where one precomposed character exists): it would look like another key"
+        )
     # The history, status and --once-per know a run by its label: keys joined by commas,
     # a raw id as lock-id:N. A name that could be read as either would mix up two jobs.
     if "," in name:
@@ -66,6 +95,38 @@ def validate_name(name: str) -> str:
     if name.startswith(LOCK_ID_PREFIX):
         raise UsageError(f"key name {name!r} starts with {LOCK_ID_PREFIX!r} (use --lock-id N)")
     return name
+
+
+def _check_char(char: str, position: int) -> None:
+    """Raise UsageError if ``char`` may not be part of a key name."""
+    if ord(char) in _ESCAPED_BYTES:
+        raise UsageError(
+            f"key name is not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02X} at position {position})"
+        )
+    category = unicodedata.category(char)
+    if category in REFUSED_CATEGORIES:
+        raise UsageError(
+            f"key name contains {REFUSED_CATEGORIES[category]} (U+{ord(char):04X}) "
+            f"at position {position}"
+        )
+    if char.isspace() and char != " ":
+        raise UsageError(
+            f"key name contains whitespace other than a plain space (U+{ord(char):04X}) "
+            f"at position {position}"
+        )
+
+
+def validate_label(label: str) -> str:
+    """Return ``label`` if it names a run as ``status`` prints it, else raise UsageError.
+
+    A label is one or more parts joined by commas, each a key name or ``lock-id:N``.
+    """
+    for part in label.split(","):
+        if part.startswith(LOCK_ID_PREFIX):
+            parse_lock_id(part[len(LOCK_ID_PREFIX) :])
+        else:
+            validate_name(part)
+    return label
 
 
 def from_name(name: str) -> Key:

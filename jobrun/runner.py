@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrun import supervise
-from jobrun.exitcodes import Exit, LockStoreUnavailable, from_wait_status
+from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, from_wait_status
 from jobrun.keys import Key, describe
 from jobrun.watchdog import Watchdog
 
@@ -108,14 +108,6 @@ class _NoRecorder:
         pass
 
 
-class Interrupted(Exception):
-    """A terminating signal arrived before the child started."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def child_environment(environ: Mapping[str, str], job: Job, run_id: str) -> dict[str, str]:
     """The child's environment: ours plus who it runs as, for its own database sessions."""
     from jobrun.db import application_name  # noqa: PLC0415 - keeps this module light
@@ -156,8 +148,8 @@ def run(
             # The signal came after the run was over (the lock already released): the
             # child's status stands.
             return guarded.status
-        log.warning("interrupted", signal=str(exc), child_started=False)
-        return 128 + exc.signum
+        log.warning("interrupted", signal=signal.Signals(exc.signum).name, child_started=False)
+        return exc.exit_code
     finally:
         # Alert hooks run here, after the release: a slow hook never holds the lock.
         recorder.flush()

@@ -171,7 +171,20 @@ class TestKeyCommand:
 class TestLeanImports:
     """Paths that do not touch the database do not import psycopg or structlog."""
 
-    @pytest.mark.parametrize("argv", [["--help"], ["key", "x"], ["--version"]])
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["--help"],
+            ["key", "x"],
+            ["--version"],
+            ["version"],
+            ["help", "status"],
+            *([name, "--help"] for name in ("status", "history", "doctor", "drill", "overlap")),
+            ["--wait", "1s", "status"],
+            ["--key", "bad\u202ename", "--", "true"],
+        ],
+        ids=" ".join,
+    )
     def test_no_database_imports(self, argv):
         """psycopg and structlog stay unimported."""
         code = (

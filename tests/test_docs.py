@@ -7,8 +7,10 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import click
 import pytest
 
+from jobrun.cli import cli, reference
 from jobrun.exitcodes import TABLE
 from support import jobrun_cli
 
@@ -87,3 +89,52 @@ class TestExamples:
         assert result.returncode == 69, result.stderr
         assert jobrun_cli.event(result.stderr, "lockstore_unavailable")["reason"] == "unreachable"
         assert not marker.exists()
+
+
+REFERENCE = (ROOT / "docs" / "reference.md").read_text()
+#: Exit paths printed as one line by main(), never logged as events.
+NOT_LOGGED = {"error", "usage_error", "output_error", "pipe_closed"}
+
+
+class TestReference:
+    """docs/reference.md: every option of every command, and every event."""
+
+    def test_option_tables_are_generated_from_the_commands(self):
+        """The generated block is what `python -m jobrun.cli.reference` prints today."""
+        block = REFERENCE.split(reference.BEGIN)[1].split(reference.END)[0]
+        assert block.strip() == reference.render().strip(), (
+            "docs/reference.md is stale: regenerate its options block with "
+            "`python -m jobrun.cli.reference`"
+        )
+
+    def test_every_option_with_its_variable(self):
+        """Each option of each command has a row, with its JOBRUN_* variable if it has one."""
+        commands = [cli, *cli.commands.values()]
+        for command in commands:
+            for param in command.params:
+                if not isinstance(param, click.Option) or param.is_eager:
+                    continue
+                assert f"`{param.opts[0]}" in REFERENCE, param.opts[0]
+                if param.envvar:
+                    assert f"`{param.envvar}`" in REFERENCE, param.envvar
+
+    def test_every_event_has_a_row(self):
+        """Each event name the code writes is in the event table."""
+        names = set()
+        for path in (ROOT / "jobrun").rglob("*.py"):
+            source = path.read_text()
+            names |= set(
+                re.findall(r"\b(?:debug|info|warning|error|emit|_alert)\(\s*\"([a-z_]+)\"", source)
+            )
+            names |= set(re.findall(r"^\s+event = \"([a-z_]+)\"", source, flags=re.MULTILINE))
+        table = REFERENCE.split("## Events")[1]
+        documented = set(re.findall(r"`([a-z_]+)`", table))
+        assert len(names) > 20  # the search finds the events (a broken one passes vacuously)
+        assert names - NOT_LOGGED - documented == set()
+
+    def test_shell_completion_as_documented(self):
+        """The documented bash line prints a completion script."""
+        assert "_JOBRUN_COMPLETE=bash_source jobrun" in REFERENCE
+        result = jobrun_cli.run(dsn=None, env={"_JOBRUN_COMPLETE": "bash_source"})
+        assert result.returncode == 0
+        assert "complete " in result.stdout

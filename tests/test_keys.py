@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 
 import psycopg
@@ -10,6 +11,7 @@ import pytest
 from jobrun import keys
 from jobrun.exitcodes import UsageError
 from jobrun.locks import new_run_id
+from support import jobrun_cli
 
 #: Pinned: changing any of these lets two jobrun versions run one job at once.
 VECTORS = [
@@ -82,6 +84,81 @@ class TestValidation:
         """--key x --lock-id <id of x> takes one lock, named x."""
         resolved = keys.resolve(("a",), (str(keys.lock_id_for("a")),))
         assert resolved == (keys.Key(lock_id=keys.lock_id_for("a"), name="a"),)
+
+
+#: Names that look like another name, or like nothing at all.
+LOOKALIKES = {
+    "leading space": " a",
+    "trailing space": "a ",
+    "only spaces": "   ",
+    "zero-width space": "a\u200bb",
+    "zero-width joiner": "a\u200db",
+    "byte order mark": "\ufeffa",
+    "line separator": "a\u2028b",
+    "paragraph separator": "a\u2029b",
+    "right-to-left override": "a\u202eb",
+    "no-break space": "a\u00a0b",
+    "ideographic space": "a\u3000b",
+    "private use": "a\ue000",
+    "unassigned": "a\u0378",
+    "combining accent (not NFC)": "e\u0301",
+    "soft hyphen": "a\u00adb",
+}
+
+
+class TestLookalikes:
+    """Invisible and ambiguous names are refused: two keys must not look alike."""
+
+    @pytest.mark.parametrize("name", LOOKALIKES.values(), ids=LOOKALIKES.keys())
+    def test_refused(self, name):
+        """A usage error that says what is wrong."""
+        with pytest.raises(UsageError):
+            keys.validate_name(name)
+
+    @pytest.mark.parametrize("name", ["a b", "Zürich-backup", "日本語のジョブ", "emoji-🚀-deploy"])
+    def test_visible_names_are_accepted(self, name):
+        """Inner plain spaces, accents (NFC), other scripts and emoji are fine."""
+        assert keys.validate_name(name) == name
+
+    def test_a_byte_that_is_not_utf8_is_said_to_be_so(self):
+        """A non-UTF-8 argv byte (surrogateescape U+DCFF) is "not valid UTF-8", not a control."""
+        name = b"job\xff".decode("utf-8", "surrogateescape")
+        with pytest.raises(UsageError, match="not valid UTF-8") as caught:
+            keys.validate_name(name)
+        assert "0xFF" in str(caught.value)
+        assert "control" not in str(caught.value)
+
+    def test_non_utf8_key_on_the_command_line(self):
+        """The same through argv: exit 64 and "not valid UTF-8"."""
+        result = subprocess.run(
+            [*jobrun_cli.JOBRUN, "key", b"job\xff".decode("utf-8", "surrogateescape")],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 64
+        assert "not valid UTF-8" in result.stderr
+
+
+class TestLabels:
+    """`status` and `history` accept every label that `status` prints."""
+
+    @pytest.mark.parametrize(
+        "label", ["a", "a,b", "lock-id:1", "lock-id:1,lock-id:2", "a,lock-id:-5"]
+    )
+    def test_labels_are_accepted(self, label):
+        """Key names and lock-id:N parts, joined by commas."""
+        assert keys.validate_label(label) == label
+
+    @pytest.mark.parametrize("label", ["", "a,", "lock-id:x", "lock-id:", " a"])
+    def test_bad_labels_are_refused(self, label):
+        """An empty part, a lock-id that is not a number, a bad name."""
+        with pytest.raises(UsageError):
+            keys.validate_label(label)
+
+    @pytest.mark.parametrize("command", ["status", "history"])
+    def test_lock_id_labels_on_the_command_line(self, dsn, command):
+        """`jobrun status lock-id:1,lock-id:2` is accepted (it used to be refused)."""
+        result = jobrun_cli.run(command, "lock-id:1,lock-id:2", dsn=dsn)
+        assert result.returncode == 0, result.stderr
 
 
 class TestRunIds:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import select
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -30,32 +31,66 @@ def safety_margin(ttl: float) -> float:
     return max(1.0, ttl / 10)
 
 
-def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[float, float]:
-    """Check the ttl / heartbeat / kill-after invariant; return (heartbeat, lifetime).
+@dataclass(frozen=True)
+class LeaseTiming:
+    """A lease's TTL, kill-after, heartbeat and lifetime, checked against each other.
 
     The child must be dead before the lease can expire: after a renewal sent at t, SIGTERM
     goes out at t + lifetime and SIGKILL at t + lifetime + kill_after, where
     lifetime = ttl - kill_after - margin. Two heartbeats must fit into the lifetime, so one
-    failed renewal alone never stops the job.
+    failed renewal alone never stops the job. A LeaseTiming that breaks this cannot be built.
     """
-    if ttl <= 0:
-        raise UsageError("--ttl must be longer than 0")
-    lifetime = ttl - kill_after - safety_margin(ttl)
-    beat = heartbeat if heartbeat is not None else min(10.0, lifetime / 3)
-    if lifetime <= 0 or 2 * beat > lifetime:
-        beat_for_message = heartbeat if heartbeat is not None else 0.5
-        need = 2 * beat_for_message + kill_after
-        needed_ttl = math.ceil(max(need + 1.0, need / 0.9))
-        raise UsageError(
-            f"--ttl {format_seconds(ttl)} is too short for --kill-after "
-            f"{format_seconds(kill_after)}"
-            + (f" and --heartbeat {format_seconds(heartbeat)}" if heartbeat is not None else "")
-            + ": the child is stopped kill-after + a safety margin before the lease expires, "
-            "and two heartbeats must fit before that; use --ttl "
-            f"{format_seconds(needed_ttl)} or more, or lower --kill-after"
-            + (" / --heartbeat" if heartbeat is not None else "")
+
+    ttl: float
+    kill_after: float
+    heartbeat: float
+    #: Whether the heartbeat was given (the error message then names --heartbeat).
+    heartbeat_given: bool = True
+
+    @classmethod
+    def from_options(cls, *, ttl: float, kill_after: float, heartbeat: float | None) -> LeaseTiming:
+        """The timing for ``--ttl``, ``--kill-after`` and ``--heartbeat`` (None: derived)."""
+        if ttl <= 0:
+            raise UsageError("--ttl must be longer than 0")
+        lifetime = ttl - kill_after - safety_margin(ttl)
+        beat = heartbeat if heartbeat is not None else min(10.0, lifetime / 3)
+        return cls(
+            ttl=ttl, kill_after=kill_after, heartbeat=beat, heartbeat_given=heartbeat is not None
         )
-    return beat, lifetime
+
+    @property
+    def margin(self) -> float:
+        """Slack between the child's SIGKILL and the lease's expiry."""
+        return safety_margin(self.ttl)
+
+    @property
+    def lifetime(self) -> float:
+        """How long a renewal vouches for the lease: ttl - kill_after - margin."""
+        return self.ttl - self.kill_after - self.margin
+
+    def __post_init__(self) -> None:
+        if self.ttl <= 0:
+            raise UsageError("--ttl must be longer than 0")
+        if self.lifetime <= 0 or 2 * self.heartbeat > self.lifetime:
+            given = self.heartbeat if self.heartbeat_given else None
+            beat_for_message = given if given is not None else 0.5
+            need = 2 * beat_for_message + self.kill_after
+            needed_ttl = math.ceil(max(need + 1.0, need / 0.9))
+            raise UsageError(
+                f"--ttl {format_seconds(self.ttl)} is too short for --kill-after "
+                f"{format_seconds(self.kill_after)}"
+                + (f" and --heartbeat {format_seconds(given)}" if given is not None else "")
+                + ": the child is stopped kill-after + a safety margin before the lease "
+                "expires, and two heartbeats must fit before that; use --ttl "
+                f"{format_seconds(needed_ttl)} or more, or lower --kill-after"
+                + (" / --heartbeat" if given is not None else "")
+            )
+
+
+def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[float, float]:
+    """(heartbeat, lifetime) of a valid LeaseTiming; kept for callers of the tuple form."""
+    checked = LeaseTiming.from_options(ttl=ttl, kill_after=kill_after, heartbeat=heartbeat)
+    return checked.heartbeat, checked.lifetime
 
 
 class LeaseLock:

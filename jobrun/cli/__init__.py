@@ -1,0 +1,13 @@
+"""The command line: parse, validate, wire the collaborators, exit. No SQL, no processes here."""
+
+from __future__ import annotations
+
+from jobrun.cli import ops, overlap, tools
+from jobrun.cli.main import main
+from jobrun.cli.run import cli
+
+ops.register(cli)
+overlap.register(cli)
+tools.register(cli)
+
+__all__ = ["cli", "main"]

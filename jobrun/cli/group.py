@@ -1,0 +1,182 @@
+"""The ``jobrun`` group: a run or a subcommand, and where the options written before it go."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from jobrun.cli.options import SUBCOMMAND_FOLLOWS
+from jobrun.exitcodes import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+
+#: ctx.meta keys: the guarded command's argv; the group's options given before a subcommand.
+ARGV = "jobrun.argv"
+BEFORE = "jobrun.before"
+#: The group's options that name the keys of a run.
+KEY_OPTIONS = ("key_names", "lock_ids")
+
+PLACEMENT_RULE = (
+    "An option written before a subcommand applies to it when the subcommand has that "
+    "option (jobrun --dsn D status is jobrun status --dsn D); any other option there is a "
+    "usage error, never silently ignored."
+)
+
+
+class JobrunGroup(click.Group):
+    """Runs ``jobrun [OPTIONS] -- COMMAND...`` itself, and has subcommands.
+
+    Options written before a subcommand are handed to it (see Subcommand); the group's
+    environment variables are not read then, since they configure a run.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Take ``-- COMMAND...`` aside, or note the options given before a subcommand."""
+        split = args.index("--") if "--" in args else len(args)
+        opts, positional, _ = self.make_parser(ctx).parse_args(args=list(args[:split]))
+        if positional:  # `jobrun [OPTIONS] SUBCOMMAND ...`
+            ctx.meta[SUBCOMMAND_FOLLOWS] = ctx
+            ctx.meta[BEFORE] = {
+                param.name: (param, opts[param.name])
+                for param in self.get_params(ctx)
+                if param.name in opts and isinstance(param, click.Option) and not param.is_eager
+            }
+        elif split < len(args):  # no subcommand before "--": the guarded command follows
+            ctx.meta[ARGV] = tuple(args[split + 1 :])
+            args = args[:split]
+        return super().parse_args(ctx, args)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """Say how to run a command when someone forgot the ``--``."""
+        if args and args[0] not in self.commands:
+            raise click.UsageError(
+                f"unknown subcommand {args[0]!r}; to run a command, put it after '--': "
+                f"jobrun --key NAME -- {args[0]} ..."
+            )
+        return super().resolve_command(ctx, args)
+
+
+class Subcommand(click.Command):
+    """A subcommand that takes the group's options written before its name, or refuses them.
+
+    ``takes`` names the group options it shares (they are passed on as if written after
+    the subcommand's name); ``keys_as`` says what ``--key``/``--lock-id`` before it become:
+    ``"option"`` (its own ``--key NAME``), ``"label"`` (a KEY argument: the run's label, as
+    ``status`` prints it) or nothing (a usage error).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        takes: Collection[str] = (),
+        keys_as: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.takes = frozenset(takes)
+        self.keys_as = keys_as
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        """Parse ``args`` with the options given before the subcommand's name put in front."""
+        before = parent.meta.get(BEFORE) if parent is not None else None
+        if before:
+            args = self._with_options_before(info_name or self.name or "", before, args, parent)
+        return super().make_context(info_name, args, parent, **extra)
+
+    def _with_options_before(
+        self,
+        name: str,
+        before: dict[str, tuple[click.Option, Any]],
+        args: list[str],
+        parent: click.Context | None,
+    ) -> list[str]:
+        after_opts, after_positional = self._parse_alone(name, args, parent)
+        front: list[str] = []
+        for option_name, (param, raw) in before.items():
+            flag = param.opts[0]
+            if option_name in KEY_OPTIONS:
+                continue
+            if option_name not in self.takes:
+                raise UsageError(_misplaced(flag, name, self))
+            if option_name in after_opts:
+                raise UsageError(f"{flag} is given both before and after {name!r}: give it once")
+            values = raw if isinstance(raw, list) else [raw]
+            for value in values:
+                front += [flag] if param.is_flag else [flag, value]
+        names = list(before.get("key_names", (None, []))[1])
+        lock_ids = list(before.get("lock_ids", (None, []))[1])
+        if names or lock_ids:
+            return self._with_keys(
+                name,
+                names,
+                lock_ids,
+                front + args,
+                given_after=set(after_opts),
+                positional_after=bool(after_positional),
+            )
+        return front + args
+
+    def _with_keys(
+        self,
+        name: str,
+        names: list[str],
+        lock_ids: list[str],
+        args: list[str],
+        *,
+        given_after: set[str],
+        positional_after: bool,
+    ) -> list[str]:
+        from jobrun import keys
+
+        if self.keys_as == "option":
+            if lock_ids or len(names) != 1:
+                raise UsageError(
+                    f"'jobrun {name}' takes one key name (--key NAME), "
+                    + ("not --lock-id" if lock_ids else f"not {len(names)}")
+                )
+            if "key_name" in given_after:
+                raise UsageError(f"--key is given both before and after {name!r}: give it once")
+            return ["--key", names[0], *args]
+        if self.keys_as == "label":
+            if positional_after:
+                raise UsageError(
+                    f"the key is given both before {name!r} (--key/--lock-id) and after it"
+                )
+            label = keys.describe(keys.resolve(tuple(names), tuple(lock_ids)))
+            return [*args, label] if "--" in args else [*args, "--", label]
+        flag = "--key" if names else "--lock-id"
+        raise UsageError(_misplaced(flag, name, self))
+
+    def _parse_alone(
+        self, name: str, args: list[str], parent: click.Context | None
+    ) -> tuple[dict[str, Any], list[str]]:
+        """The options and arguments written after the subcommand's name."""
+        ctx = click.Context(self, info_name=name, parent=parent, resilient_parsing=True)
+        try:
+            opts, positional, _ = self.make_parser(ctx).parse_args(args=list(args))
+        except click.UsageError:
+            return {}, []  # the real parse reports it
+        return opts, positional
+
+
+def _misplaced(flag: str, name: str, command: click.Command) -> str:
+    own = any(flag in param.opts for param in command.params)
+    if own:
+        return (
+            f"{flag} before {name!r} is the run's option, not {name!r}'s: "
+            f"put it after {name!r} (jobrun {name} {flag} ...)"
+        )
+    return (
+        f"{flag} does not apply to 'jobrun {name}' (it is an option of a run: "
+        f"jobrun {flag} ... -- COMMAND); see 'jobrun {name} --help'"
+    )

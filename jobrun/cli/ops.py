@@ -1,0 +1,119 @@
+"""``status``, ``history`` and ``doctor``: what is held, what ran, what a run depends on."""
+
+from __future__ import annotations
+
+import click
+
+from jobrun.cli import options
+from jobrun.cli.group import Subcommand
+
+
+def register(group: click.Group) -> None:
+    """Add the status, history and doctor subcommands to a group."""
+    group.add_command(status_command)
+    group.add_command(history_command)
+    group.add_command(doctor_command)
+
+
+@click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
+@click.argument("key_labels", nargs=-1, metavar="[KEY]...")
+@options.database
+@options.as_json
+def status_command(
+    key_labels: tuple[str, ...], dsn: str, connect_timeout: float, as_json: bool
+) -> int:
+    """What is held right now, and how each key's runs went.
+
+    Without KEY: every key in the run history, every key leased now, and every advisory
+    lock held by a jobrun session. A multi-key run is one KEY, comma-joined in locking
+    order (as its event lines and this table show it); lock-id:N names a --lock-id key.
+    """
+    import json
+
+    from jobrun import db, keys, status
+
+    for label in key_labels:
+        keys.validate_label(label)
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-status") as conn,
+        db.translate_errors(where, "reading the status"),
+    ):
+        found = status.collect(conn, key_labels)
+    for note in found.notes:
+        click.echo(f"jobrun: note: {note}", err=True)
+    if as_json:
+        click.echo(json.dumps([row.as_json() for row in found.keys], indent=2))
+    elif found.keys:
+        click.echo(status.status_table(found.keys))
+    else:
+        click.echo("nothing held, no run history")
+    return 0
+
+
+@click.command("history", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
+@click.argument("key_label", metavar="KEY")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=20,
+    show_default=True,
+    help="Show this many runs, newest first.",
+)
+@options.database
+@options.as_json
+def history_command(
+    key_label: str, limit: int, dsn: str, connect_timeout: float, as_json: bool
+) -> int:
+    """Recent runs and skips of KEY: outcome, exit code, duration, host, pid, start.
+
+    KEY is a run's label as status prints it: a key name, lock-id:N, or several joined by
+    commas.
+    """
+    import json
+
+    from jobrun import db, keys, status
+
+    keys.validate_label(key_label)
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-history") as conn,
+        db.translate_errors(where, "reading the history"),
+    ):
+        runs = status.runs_of(conn, key_label, limit)
+    if runs is None:
+        click.echo(
+            "jobrun: note: no run history yet (the jobrun.runs table does not exist)", err=True
+        )
+        runs = []
+    if as_json:
+        click.echo(json.dumps(runs, indent=2, default=str))
+    elif runs:
+        click.echo(status.history_table(runs))
+    else:
+        click.echo(f"no runs of {key_label} in the history")
+    return 0
+
+
+@click.command("doctor", cls=Subcommand, takes=("dsn", "connect_timeout", "mode"))
+@options.database
+@options.mode("Judge the database for this lock mode.")
+@options.as_json
+def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -> int:
+    """Check what a run depends on: server, role, schema, pooler, settings, capacity.
+
+    One line per check, OK / WARN / FAIL. Exit status: 0 when nothing FAILs, 1 when
+    something does, 69 when the database cannot be reached at all.
+    """
+    import json
+
+    from jobrun import db, doctor
+
+    where = options.target(dsn, connect_timeout)
+    with db.connect(where, app_name="jobrun-doctor") as conn:
+        findings = doctor.diagnose(conn, where, mode=mode)
+    if as_json:
+        click.echo(json.dumps([finding.as_json() for finding in findings], indent=2))
+    else:
+        click.echo(doctor.report(findings))
+    return doctor.exit_status(findings)

@@ -1,0 +1,233 @@
+"""Every option and value type of the command line, declared once, and the database target."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+from click.core import ParameterSource
+
+from jobrun import durations
+from jobrun.exitcodes import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from jobrun import db
+
+MODES = ("session", "lease")
+#: ctx.meta key: the group's context, when a subcommand follows the group's options.
+SUBCOMMAND_FOLLOWS = "jobrun.subcommand_follows"
+
+
+def target(dsn: str, connect_timeout: float, *, warn: bool = True) -> db.Target:
+    """The database a command uses; a password given in --dsn is warned about on stderr.
+
+    (A run warns with its ``password_on_command_line`` event instead: ``warn=False``.)
+    """
+    from jobrun import db
+
+    built = db.Target(dsn=dsn, connect_timeout=connect_timeout)
+    context = click.get_current_context(silent=True)
+    on_command_line = (
+        context is not None and context.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
+    )
+    if warn and on_command_line and built.has_password:
+        click.echo(
+            "jobrun: warning: a password in --dsn is visible to every user in ps; use "
+            "~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+            err=True,
+        )
+    return built
+
+
+def source_of(param: click.Parameter | None, ctx: click.Context | None) -> str:
+    """Where a value came from, for an error message: ``--wait`` or ``JOBRUN_WAIT``."""
+    if param is None:
+        return "value"
+    flag = param.opts[0] if param.opts else param.human_readable_name
+    envvar = getattr(param, "envvar", None)
+    if (
+        ctx is not None
+        and param.name is not None
+        and isinstance(envvar, str)
+        and ctx.get_parameter_source(param.name) == ParameterSource.ENVIRONMENT
+    ):
+        return f"{envvar} (the variable for {flag})"
+    return flag
+
+
+class JobrunOption(click.Option):
+    """An option that shows its variable in ``--help`` and names it in errors it caused.
+
+    On the group, the variables are not read when a subcommand follows: they configure a
+    run, and a bad ``JOBRUN_WAIT`` must not break ``jobrun key`` or ``jobrun status``. The
+    subcommands declare the options they use (``--dsn``...) and read those variables
+    themselves.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("show_envvar", True)
+        super().__init__(*args, **kwargs)
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        """``'--mode'``, or ``JOBRUN_MODE (the variable for --mode)`` if it came from there."""
+        where = source_of(self, ctx)
+        return where if where != self.opts[0] else f"'{where}'"
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        """The variable's value, unless this is the group and a subcommand follows."""
+        if ctx.meta.get(SUBCOMMAND_FOLLOWS) is ctx:
+            return None
+        return super().resolve_envvar_value(ctx)
+
+
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """``90``, ``30s``, ``5m``, ``1h30m``, ``250ms``, ``1d`` -> seconds (float)."""
+
+    name = "duration"
+
+    def __init__(self, minimum: str = "0", why: str = "") -> None:
+        #: As written in messages (``100ms``), and in seconds.
+        self.minimum_text = minimum
+        self.minimum = durations.parse(minimum)
+        self.why = why
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """Seconds; a usage error that names the flag or the variable the text came from."""
+        if isinstance(value, float):
+            return value
+        where = source_of(param, ctx)
+        seconds = durations.parse(str(value), option=where)
+        if seconds < self.minimum:
+            raise UsageError(
+                f"{where} must be at least {self.minimum_text}"
+                + (f" ({self.why})" if self.why else "")
+            )
+        return seconds
+
+
+class Lines(click.ParamType):  # type: ignore[type-arg]
+    """Text whose environment variable holds one value per line (key names)."""
+
+    name = "text"
+    envvar_list_splitter = "\n"
+
+    def split_envvar_value(self, rv: str) -> list[str]:
+        """The values in the variable; blank ones (a trailing newline) are not values."""
+        return [part for part in rv.split(self.envvar_list_splitter) if part.strip()]
+
+    def convert(
+        self, value: Any, _param: click.Parameter | None, _ctx: click.Context | None
+    ) -> Any:
+        """Keep the text; keys are validated together, once the flags have won."""
+        return str(value)
+
+
+class Commas(Lines):
+    """Text whose environment variable holds comma-separated values (lock ids)."""
+
+    envvar_list_splitter = ","
+
+
+def option(*names: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """``click.option`` with JobrunOption: variables shown in help, named in errors."""
+    return click.option(*names, cls=JobrunOption, **kwargs)
+
+
+def _stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def apply(command: Any) -> Any:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+dsn = option(
+    "--dsn",
+    envvar="JOBRUN_DSN",
+    default="",
+    metavar="DSN",
+    help="libpq connection string or URI; default: PG* variables, service file, ~/.pgpass. "
+    "Prefer JOBRUN_DSN or .pgpass for passwords.",
+)
+connect_timeout = option(
+    "--connect-timeout",
+    envvar="JOBRUN_CONNECT_TIMEOUT",
+    type=Duration(),
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="Give up connecting after this long (exit 69).",
+)
+#: --dsn and --connect-timeout: every command that talks to the database.
+database = _stack(dsn, connect_timeout)
+
+
+def mode(help_text: str) -> Callable[[Any], Any]:
+    """--mode session|lease (JOBRUN_MODE)."""
+    return option(
+        "--mode",
+        envvar="JOBRUN_MODE",
+        type=click.Choice(MODES),
+        default="session",
+        show_default=True,
+        help=help_text,
+    )
+
+
+as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+
+log = _stack(
+    option(
+        "--log-format",
+        envvar="JOBRUN_LOG_FORMAT",
+        type=click.Choice(["auto", "json", "logfmt", "console"]),
+        default="auto",
+        show_default=True,
+        help="Event line format; auto = console on a terminal, JSON otherwise.",
+    ),
+    option(
+        "--log-file",
+        envvar="JOBRUN_LOG_FILE",
+        metavar="PATH",
+        help="Append events here instead of stderr (safe with concurrent writers).",
+    ),
+    option(
+        "--log-level",
+        envvar="JOBRUN_LOG_LEVEL",
+        type=click.Choice(["debug", "info", "warning", "error"]),
+        default="info",
+        show_default=True,
+        help="Least severe event to write.",
+    ),
+)
+
+#: Each beat is a query: not more often than this.
+MIN_HEARTBEAT = "100ms"
+kill_after = option(
+    "--kill-after",
+    envvar="JOBRUN_KILL_AFTER",
+    type=Duration(),
+    default="10s",
+    show_default=True,
+    metavar="DURATION",
+    help="Grace between SIGTERM and SIGKILL when jobrun stops the child.",
+)
+heartbeat = option(
+    "--heartbeat",
+    envvar="JOBRUN_HEARTBEAT",
+    type=Duration(minimum=MIN_HEARTBEAT, why="each beat is a query"),
+    metavar="DURATION",
+    help="How often the lock is checked (session, default 1s) or renewed (lease).",
+)
+ttl = option(
+    "--ttl",
+    envvar="JOBRUN_TTL",
+    type=Duration(),
+    default="30s",
+    show_default=True,
+    metavar="DURATION",
+    help="Lease lifetime without renewal (lease mode).",
+)

@@ -1,0 +1,398 @@
+"""``jobrun [OPTIONS] -- COMMAND``: the run's options, checked, then handed to the runner."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, NamedTuple
+
+import click
+from click.core import ParameterSource
+
+from jobrun import __version__, keys
+from jobrun.cli import options
+from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
+from jobrun.exitcodes import Exit, UsageError
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun import db, history
+    from jobrun.locks import Identity
+
+STDERR = 2
+#: Variables of the run's keys, and the option each stands for.
+KEY_VARIABLES = {"key_names": "JOBRUN_KEY", "lock_ids": "JOBRUN_LOCK_ID"}
+
+
+class Settings(NamedTuple):
+    """A run's validated options (durations in seconds)."""
+
+    run_keys: tuple[keys.Key, ...]
+    mode: str
+    dsn: str
+    dsn_on_command_line: bool
+    connect_timeout: float
+    wait: float
+    timeout: float | None
+    kill_after: float
+    heartbeat: float
+    ttl: float
+    #: lease: how long a renewal vouches for the lease (session: unused)
+    lifetime: float
+    min_hold: float | None
+    once_per: float | None
+    skip_exit_code: int
+    on_db_error: str
+    on_lock_lost: str
+    no_history: bool
+    keep: int
+    alert_after: int
+    on_alert: str | None
+    metrics_file: str | None
+    log_format: str
+    log_file: str | None
+    log_level: str
+
+
+@click.group(
+    cls=JobrunGroup,
+    invoke_without_command=True,
+    subcommand_metavar="-- COMMAND [ARGS]... | SUBCOMMAND [ARGS]...",
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog=PLACEMENT_RULE,
+)
+@click.version_option(__version__, "--version", prog_name="jobrun", message="%(prog)s %(version)s")
+@options.option(
+    "--key",
+    "key_names",
+    multiple=True,
+    envvar="JOBRUN_KEY",
+    type=options.Lines(),
+    metavar="NAME",
+    help="Lock name (repeatable: all or nothing, in ascending lock-id order).",
+)
+@options.option(
+    "--lock-id",
+    "lock_ids",
+    multiple=True,
+    envvar="JOBRUN_LOCK_ID",
+    type=options.Commas(),
+    metavar="INT",
+    help="Raw signed 64-bit lock id, for interop with code that locks numbers (repeatable).",
+)
+@options.database
+@options.mode("session: advisory lock on a held connection; lease: TTL row, works through poolers.")
+@options.option(
+    "--wait",
+    envvar="JOBRUN_WAIT",
+    type=options.Duration(),
+    default="0",
+    show_default=True,
+    metavar="DURATION",
+    help="Wait this long for the lock before skipping.",
+)
+@options.option(
+    "--timeout",
+    envvar="JOBRUN_TIMEOUT",
+    type=options.Duration(),
+    metavar="DURATION",
+    help="Stop the child after this long (SIGTERM, then SIGKILL); exit 124. 0: never.",
+)
+@options.kill_after
+@options.heartbeat
+@options.ttl
+@options.option(
+    "--skip-exit-code",
+    envvar="JOBRUN_SKIP_EXIT_CODE",
+    type=click.IntRange(0, 255),
+    default=int(Exit.SKIPPED),
+    show_default=True,
+    help="Exit status when the lock is held elsewhere.",
+)
+@options.option(
+    "--on-db-error",
+    envvar="JOBRUN_ON_DB_ERROR",
+    type=click.Choice(["fail", "run"]),
+    default="fail",
+    show_default=True,
+    help="Database unreachable: fail (exit 69) or run the child unguarded.",
+)
+@options.option(
+    "--on-lock-lost",
+    envvar="JOBRUN_ON_LOCK_LOST",
+    type=click.Choice(["terminate", "ignore"]),
+    default="terminate",
+    show_default=True,
+    help="Lock lost mid-run: stop the child (exit 76) or log and let it finish.",
+)
+@options.option(
+    "--min-hold",
+    envvar="JOBRUN_MIN_HOLD",
+    type=options.Duration(),
+    metavar="DURATION",
+    help="Keep the lock at least this long after the start (hosts with skewed clocks skip).",
+)
+@options.option(
+    "--once-per",
+    envvar="JOBRUN_ONCE_PER",
+    type=options.Duration(minimum="1s", why="it names a window, e.g. 1h or 1d"),
+    metavar="DURATION",
+    help="Skip (already_ran) if the key already ran in this UTC-aligned window, e.g. 1d.",
+)
+@options.option(
+    "--no-history",
+    envvar="JOBRUN_NO_HISTORY",
+    is_flag=True,
+    help="Do not record runs in jobrun.runs (no streak alerts, no --once-per).",
+)
+@options.option(
+    "--keep",
+    envvar="JOBRUN_KEEP",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="History kept per key: the newest N runs and N skips (and each host's newest skip).",
+)
+@options.option(
+    "--alert-after",
+    envvar="JOBRUN_ALERT_AFTER",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Error line (and --on-alert) after N skips or failures in a row; 0 disables.",
+)
+@options.option(
+    "--on-alert",
+    envvar="JOBRUN_ON_ALERT",
+    metavar="CMD",
+    help="Command run on a streak alert (event JSON on stdin and in JOBRUN_ALERT_*).",
+)
+@options.option(
+    "--metrics-file",
+    envvar="JOBRUN_METRICS_FILE",
+    metavar="PATH",
+    help="Prometheus textfile written after each run or skip ({key} is replaced).",
+)
+@options.log
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    /,
+    *,
+    key_names: tuple[str, ...],
+    lock_ids: tuple[str, ...],
+    dsn: str,
+    connect_timeout: float,
+    mode: str,
+    wait: float,
+    timeout: float | None,
+    kill_after: float,
+    heartbeat: float | None,
+    ttl: float,
+    skip_exit_code: int,
+    on_db_error: str,
+    on_lock_lost: str,
+    min_hold: float | None,
+    once_per: float | None,
+    no_history: bool,
+    keep: int,
+    alert_after: int,
+    on_alert: str | None,
+    metrics_file: str | None,
+    log_format: str,
+    log_file: str | None,
+    log_level: str,
+) -> int | None:
+    """Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
+
+    \b
+      jobrun --key nightly-export -- ./export.sh
+      jobrun key nightly-export          print the lock id of a key
+      jobrun help SUBCOMMAND             help on a subcommand
+
+    Every option can also be set from the environment variable shown with it.
+    Exit status: the child's own; 75 skipped; 69 database unavailable; 64 usage error;
+    76 lock lost; 124 timed out; 126/127 command not executable / not found; 74 output
+    error; 141 output pipe closed.
+    """
+    if ctx.invoked_subcommand is not None:
+        return None
+    argv: tuple[str, ...] | None = ctx.meta.get(ARGV)
+    if not argv:
+        raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
+    if not argv[0]:
+        raise UsageError("the command after '--' is an empty string")
+    run_keys = _keys(ctx, key_names, lock_ids)
+    lifetime = 0.0
+    if mode == "lease":
+        from jobrun.locks.lease import LeaseTiming
+
+        lease = LeaseTiming.from_options(ttl=ttl, kill_after=kill_after, heartbeat=heartbeat)
+        heartbeat, lifetime = lease.heartbeat, lease.lifetime
+    if once_per is not None and no_history:
+        raise UsageError("--once-per needs the run history: drop --no-history")
+    settings = Settings(
+        run_keys=run_keys,
+        mode=mode,
+        dsn=dsn,
+        dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
+        connect_timeout=connect_timeout,
+        wait=wait,
+        timeout=timeout or None,
+        kill_after=kill_after,
+        heartbeat=heartbeat or 1.0,
+        ttl=ttl,
+        lifetime=lifetime,
+        min_hold=min_hold or None,
+        once_per=once_per,
+        skip_exit_code=skip_exit_code,
+        on_db_error=on_db_error,
+        on_lock_lost=on_lock_lost,
+        no_history=no_history,
+        keep=keep,
+        alert_after=alert_after,
+        on_alert=on_alert,
+        metrics_file=metrics_file,
+        log_format=log_format,
+        log_file=log_file,
+        log_level=log_level,
+    )
+    return _run(argv, settings)
+
+
+def _keys(
+    ctx: click.Context, key_names: tuple[str, ...], lock_ids: tuple[str, ...]
+) -> tuple[keys.Key, ...]:
+    """The run's keys; with --key or --lock-id on the command line, the variables are ignored.
+
+    A flag wins over its variable, and the two name one thing: the keys. This is what lets
+    a jobrun inside a guarded child (which inherits JOBRUN_KEY and JOBRUN_LOCK_ID) take
+    just the keys it is given. A bad value from a variable is reported under its name.
+    """
+    given = {"key_names": key_names, "lock_ids": lock_ids}
+    sources = {name: ctx.get_parameter_source(name) for name in given}
+    if ParameterSource.COMMANDLINE in sources.values():
+        for name, source in sources.items():
+            if source == ParameterSource.ENVIRONMENT:
+                given[name] = ()
+    for name, values in given.items():
+        if sources[name] == ParameterSource.ENVIRONMENT and values:
+            try:
+                keys.resolve(*(values if n == name else () for n in KEY_VARIABLES))
+            except UsageError as exc:
+                raise UsageError(f"{KEY_VARIABLES[name]}: {exc}") from None
+    return keys.resolve(given["key_names"], given["lock_ids"])
+
+
+def _run(argv: tuple[str, ...], settings: Settings) -> int:
+    """Hand a validated run over to the runner (which imports the heavy parts)."""
+    from jobrun import log, runner
+    from jobrun.locks import Identity, Lock, new_run_id
+
+    run_keys = settings.run_keys
+    target = options.target(settings.dsn, settings.connect_timeout, warn=False)
+    fd, log_file_error = None, None
+    if settings.log_file:
+        # A log file that cannot be opened never costs the job its run: stderr instead.
+        try:
+            fd = log.open_log_file(settings.log_file)
+        except UsageError as exc:
+            log_file_error = str(exc)
+    logger = log.configure(
+        fmt=settings.log_format,
+        level=settings.log_level,
+        fd=fd,
+        secrets=(*target.secrets, os.environ.get("PGPASSWORD", "")),
+        # A log file that cannot be written (disk full): the lines go to stderr instead.
+        fallback_fd=STDERR if fd is not None else None,
+    )
+    identity = Identity(run_id=new_run_id(), pid=os.getpid())
+    bound = logger.bind(
+        key=keys.describe(run_keys),
+        lock_id=run_keys[0].lock_id if len(run_keys) == 1 else [k.lock_id for k in run_keys],
+        run_id=identity.run_id,
+        host=identity.host,
+        pid=identity.pid,
+        mode=settings.mode,
+        version=__version__,
+    )
+    job = runner.Job(
+        argv=argv,
+        keys=run_keys,
+        wait=settings.wait,
+        timeout=settings.timeout,
+        kill_after=settings.kill_after,
+        skip_exit_code=settings.skip_exit_code,
+        on_db_error=settings.on_db_error,
+        on_lock_lost=settings.on_lock_lost,
+        heartbeat=settings.heartbeat,
+        min_hold=settings.min_hold,
+        once_per=settings.once_per,
+    )
+    recorder = _recorder(settings, target, identity, program=argv[0], log=bound)
+    if log_file_error is not None:
+        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
+    # Only now that every option is known to be valid: a usage error is one line, alone.
+    if settings.dsn_on_command_line and target.has_password:
+        bound.warning(
+            "password_on_command_line",
+            hint="a password in --dsn is visible to every user in ps; "
+            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+        )
+    lock: Lock
+    if settings.mode == "lease":
+        from jobrun.locks import lease
+
+        lock = lease.LeaseLock(
+            run_keys, target, identity, bound, ttl=settings.ttl, lifetime=settings.lifetime
+        )
+    else:
+        from jobrun.locks import session
+
+        lock = session.SessionLock(
+            run_keys,
+            target,
+            identity,
+            bound,
+            heartbeat=settings.heartbeat,
+            kill_after=settings.kill_after,
+        )
+    return runner.run(
+        job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+    )
+
+
+def _recorder(
+    settings: Settings,
+    target: db.Target,
+    identity: Identity,
+    *,
+    program: str,
+    log: FilteringBoundLogger,
+) -> history.Recorder | history.NullRecorder:
+    """The run's history recorder (a null one with --no-history, which still writes metrics)."""
+    from pathlib import Path
+
+    from jobrun import alerts, history
+
+    config = history.HistoryConfig(
+        keep=settings.keep,
+        alert_after=settings.alert_after,
+        on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
+        metrics_file=settings.metrics_file,
+        # WARNING: history is written while the lock is held and unwatched (right after the
+        # acquisition): in lease mode it must never outlast half of what the lease vouches.
+        timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
+    )
+    if settings.no_history:
+        return history.NullRecorder(settings.run_keys, config=config, log=log)
+    return history.Recorder(
+        target,
+        identity,
+        settings.run_keys,
+        mode=settings.mode,
+        program=Path(program).name,
+        config=config,
+        log=log,
+        environ=os.environ,
+    )

@@ -1,0 +1,169 @@
+"""The edges of a command line: output that cannot be written, signals at start-up, help."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobrun import __version__
+from jobrun.exitcodes import TABLE
+from support import jobrun_cli
+
+CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
+
+
+def run_with_stdout(argv: list[str], stdout, dsn: str | None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*jobrun_cli.JOBRUN, *argv],
+        env=jobrun_cli.environment(dsn),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+class TestOutputErrors:
+    """A full, closed or failing stdout is an I/O error (74); a closed pipe ends quietly (141)."""
+
+    @pytest.mark.parametrize(
+        "argv",
+        [["status"], ["key", "a"], ["doctor"], ["--help"], ["--version"], ["help"], ["version"]],
+        ids=" ".join,
+    )
+    def test_full_stdout_is_exit_74(self, dsn, argv):
+        """`jobrun ... >/dev/full`: exit 74, one line on stderr, no "internal error"."""
+        with Path("/dev/full").open("w") as full:
+            result = run_with_stdout(argv, full, dsn)
+        assert result.returncode == 74, result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert errors == ["jobrun: error: cannot write to standard output: No space left on device"]
+
+    def test_closed_stdout_is_exit_74(self):
+        """`jobrun key a >&-`: nowhere to print the answer."""
+        result = subprocess.run(
+            ["sh", "-c", 'exec "$@" >&-', "sh", *jobrun_cli.JOBRUN, "key", "a"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 74, result.stderr
+        assert "closed" in result.stderr
+
+    @pytest.mark.parametrize("argv", [["key", "a", "b", "c"], ["--help"], ["version"]])
+    def test_closed_pipe_ends_quietly_with_141(self, argv):
+        """The reader went away (`| head -1` after its line): 128 + SIGPIPE, nothing on stderr."""
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = run_with_stdout(argv, write_end, None)
+        finally:
+            os.close(write_end)
+        assert result.returncode == 141
+        assert result.stderr == ""
+
+    def test_drill_into_a_closed_pipe_ends_quietly_with_141(self, dsn):
+        """`jobrun drill ... | head -1` once head is gone: 141, no traceback, no error line."""
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = run_with_stdout(["drill", "--key", "drill-closed-pipe"], write_end, dsn)
+        finally:
+            os.close(write_end)
+        assert result.returncode == 141, result.stderr
+        assert result.stderr == ""
+
+    def test_exit_codes_are_in_the_table(self):
+        """74 and 141 are documented with the others."""
+        assert {"74", "141"} <= {status for status, _ in TABLE}
+
+
+#: A sitecustomize that sends SIGINT to its own process when a given module is imported.
+SIGINT_AT_IMPORT = """
+import os, sys, _signal
+TARGET = os.environ.get("SIGINT_AT_IMPORT")
+
+class SigintAtImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == TARGET:
+            os.kill(os.getpid(), _signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintAtImport())
+"""
+
+
+class TestSignalsAtStartUp:
+    """Ctrl-C while jobrun is still importing: exit 130, no traceback."""
+
+    @pytest.mark.parametrize("module", ["jobrun.__main__", "signal", "click", "jobrun.cli.main"])
+    @pytest.mark.parametrize("entry", ["module", "script"])
+    def test_ctrl_c_during_an_import(self, tmp_path, module, entry):
+        """SIGINT delivered at the import of MODULE ends jobrun with 130 and nothing printed."""
+        (tmp_path / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+        script = Path(sys.executable).parent / "jobrun"
+        argv = [*jobrun_cli.JOBRUN] if entry == "module" else [sys.executable, str(script)]
+        env = jobrun_cli.environment(None, {"SIGINT_AT_IMPORT": module})
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(tmp_path), env.get("PYTHONPATH", "")])
+        )
+        result = subprocess.run(
+            [*argv, "key", "a"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 128 + signal.SIGINT, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "KeyboardInterrupt" not in result.stderr
+        assert result.stdout == ""
+
+
+class TestHelpAndVersionSubcommands:
+    """`jobrun help [SUBCOMMAND]` and `jobrun version` instead of "unknown subcommand"."""
+
+    def test_help(self):
+        """`jobrun help` is `jobrun --help`."""
+        assert jobrun_cli.run("help", dsn=None).stdout == jobrun_cli.run("--help", dsn=None).stdout
+
+    @pytest.mark.parametrize("subcommand", ["status", "drill", "key", "overlap"])
+    def test_help_on_a_subcommand(self, subcommand):
+        """`jobrun help SUB` is `jobrun SUB --help`."""
+        result = jobrun_cli.run("help", subcommand, dsn=None)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == jobrun_cli.run(subcommand, "--help", dsn=None).stdout
+
+    def test_help_on_an_unknown_subcommand(self):
+        """Exit 64, naming the subcommands there are."""
+        result = jobrun_cli.run("help", "frobnicate", dsn=None)
+        assert result.returncode == 64
+        assert "status" in result.stderr
+
+    def test_version(self):
+        """`jobrun version` prints what --version prints."""
+        result = jobrun_cli.run("version", dsn=None)
+        assert result.stdout.strip() == f"jobrun {__version__}"
+
+    def test_a_real_command_still_gets_the_hint(self):
+        """`jobrun --key k make` still says to put the command after '--'."""
+        result = jobrun_cli.run("--key", "k", "make", dsn=None)
+        assert result.returncode == 64
+        assert "put it after '--'" in result.stderr
+
+
+class TestDrillAndDemoSay:
+    """What the drill and the demo tell their user."""
+
+    def test_drill_with_a_command_that_exits_says_it_must_keep_running(self, dsn, key):
+        """`jobrun drill -- true` fails, and says why."""
+        result = jobrun_cli.run("drill", "--key", key, "--", "true", dsn=dsn, timeout=180)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "must keep running" in result.stderr
+
+    def test_demo_says_which_database(self, dsn):
+        """The demo names the database it uses."""
+        result = jobrun_cli.run("demo", dsn=dsn, timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "using the database at 127.0.0.1:" in result.stdout

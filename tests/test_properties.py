@@ -1,0 +1,363 @@
+"""Generated command lines and environments: every one ends in a documented way.
+
+For each: no traceback, never exit 70, no secret in the output, an exit status from the
+documented table, and on a usage error the child never ran. Most examples call
+jobrun.cli.main in-process; a bounded number run ``python -m jobrun`` with raw argv bytes.
+Nothing needs a database: every DSN points at a closed port. Set
+JOBRUN_HYPOTHESIS_PROFILE=long for a longer search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from jobrun.cli import main
+from jobrun.exitcodes import Exit
+from support import jobrun_cli
+
+SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show
+#: Nothing listens on port 1: connecting fails at once, so no example needs a server.
+CLOSED_HOST = "127.0.0.1"
+TOUCH = shutil.which("touch") or "/usr/bin/touch"
+#: Exit statuses an example may end with (the child, `touch`, exits 0 when it runs).
+DOCUMENTED = {int(code) for code in Exit} - {Exit.INTERNAL} | {0}
+
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile(
+    "long",
+    max_examples=3000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+PROFILE = os.environ.get("JOBRUN_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+#: Examples run as real processes (each costs an interpreter start).
+PROCESS_EXAMPLES = 25 if PROFILE == "ci" else 300
+#: pytest-timeout's limit for one whole property test (all of its examples).
+WHOLE_TEST_TIMEOUT = 120 if PROFILE == "ci" else 3600
+
+#: Examples tried per test, reported at the end of the run (whatever -s says).
+TRIED: dict[str, int] = {}
+
+
+class _Summary:
+    """Prints how many examples each property test tried."""
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        terminalreporter.section("hypothesis examples (jobrun properties)")
+        for name, count in sorted(TRIED.items()):
+            terminalreporter.write_line(f"{name}: {count} examples")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_examples(pytestconfig):
+    if not pytestconfig.pluginmanager.has_plugin("jobrun-properties-summary"):
+        pytestconfig.pluginmanager.register(_Summary(), "jobrun-properties-summary")
+
+
+def _has_escaped_bytes(text: str) -> bool:
+    """Whether ``text`` carries bytes that were not UTF-8 (surrogateescape U+DC80-U+DCFF)."""
+    return any(0xDC80 <= ord(char) <= 0xDCFF for char in text)
+
+
+def _odd_text() -> st.SearchStrategy[str]:
+    """Text as argv or the environment can carry it: any bytes, not UTF-8 included."""
+    return st.one_of(
+        st.text(min_size=0, max_size=12),
+        st.binary(min_size=1, max_size=8).map(lambda b: b.decode("utf-8", "surrogateescape")),
+        st.sampled_from([" a", "a ", "   ", "a\u200bb", "a\u2028b", "a\u202eb", "e\u0301", "\x7f"]),
+    ).filter(lambda text: "\x00" not in text)
+
+
+durations = st.one_of(
+    st.sampled_from(["0", "1s", "250ms", "1h30m", "1d", "3651d", "-1", "5x", "\u0663s", "9" * 40]),
+    _odd_text(),
+)
+key_names = st.one_of(
+    st.sampled_from(["nightly", "a,b", "lock-id:5", "日本語", "x" * 201, ""]), _odd_text()
+)
+lock_ids = st.one_of(
+    st.integers(min_value=-(2**64), max_value=2**64).map(str),
+    st.sampled_from(["1_000", "abc", " 7 ", "+3"]),
+    _odd_text(),
+)
+dsns = st.one_of(
+    st.sampled_from(
+        [
+            f"postgresql://u:{SECRET}@{CLOSED_HOST}:1/db",
+            f"host={CLOSED_HOST} port=1 password={SECRET} connect_timeout=1",
+            f"host={CLOSED_HOST} port=1 password='{SECRET} x'",
+            f"postgresql://u:{SECRET}%zz@{CLOSED_HOST}:1/db",
+            f"password={SECRET} host",
+            f"host={CLOSED_HOST} port=1",
+        ]
+    ),
+    _odd_text()
+    .filter(lambda text: not _has_escaped_bytes(text))
+    .map(lambda text: f"host={CLOSED_HOST} port=1 password={SECRET}{text}"),
+)
+#: DSNs with bytes that are not UTF-8. TODO: they end in exit 70 today (UnicodeEncodeError
+#: from psycopg's conninfo parser in jobrun/db.py); once db.py refuses them as a usage
+#: error, fold this strategy into ``dsns`` and drop the xfail below.
+dsns_not_utf8 = st.binary(min_size=1, max_size=6).map(
+    lambda raw: (
+        f"host={CLOSED_HOST} port=1 password={SECRET}"
+        + (b"\xff" + raw).decode("utf-8", "surrogateescape")
+    )
+)
+
+#: Group options: (flag, strategy for its value; None for a flag).
+RUN_OPTIONS = {
+    "--key": key_names,
+    "--lock-id": lock_ids,
+    "--dsn": dsns,
+    "--connect-timeout": st.sampled_from(["1s", "500ms", "x", ""]),
+    "--mode": st.sampled_from(["session", "lease", "sometimes"]),
+    "--wait": durations,
+    "--timeout": durations,
+    "--kill-after": durations,
+    "--heartbeat": durations,
+    "--ttl": durations,
+    "--skip-exit-code": st.sampled_from(["0", "75", "256", "-1", "x"]),
+    "--on-db-error": st.sampled_from(["fail", "run", "maybe"]),
+    "--on-lock-lost": st.sampled_from(["terminate", "ignore", "x"]),
+    "--min-hold": durations,
+    "--once-per": durations,
+    "--no-history": None,
+    "--keep": st.sampled_from(["1", "0", "x"]),
+    "--alert-after": st.sampled_from(["0", "3", "-1"]),
+    "--on-alert": st.sampled_from(["true", "'unbalanced", ""]),
+    "--log-format": st.sampled_from(["json", "logfmt", "console", "xml"]),
+    "--log-level": st.sampled_from(["debug", "error", "loud"]),
+    "--frobnicate": None,
+}
+#: Variables and values for them.
+VARIABLES = {
+    "JOBRUN_KEY": key_names,
+    "JOBRUN_LOCK_ID": lock_ids,
+    "JOBRUN_DSN": dsns,
+    "JOBRUN_MODE": st.sampled_from(["session", "lease", "x"]),
+    "JOBRUN_WAIT": durations,
+    "JOBRUN_TTL": durations,
+    "JOBRUN_HEARTBEAT": durations,
+    "JOBRUN_SKIP_EXIT_CODE": st.sampled_from(["0", "abc", "999"]),
+    "JOBRUN_ON_DB_ERROR": st.sampled_from(["fail", "run", "x"]),
+    "JOBRUN_NO_HISTORY": st.sampled_from(["1", "0", "maybe"]),
+    "JOBRUN_LOG_FORMAT": st.sampled_from(["json", "x"]),
+    "PGPASSWORD": st.just(SECRET),
+}
+#: Subcommands and what may follow them (never `demo`: it would start a server).
+SUBCOMMANDS = {
+    "status": st.lists(st.one_of(key_names, st.just("lock-id:1,lock-id:2")), max_size=2),
+    "history": st.lists(key_names, min_size=0, max_size=2),
+    "doctor": st.sampled_from([[], ["--json"], ["--mode", "lease"], ["--mode", "x"]]),
+    "key": st.lists(key_names, max_size=3),
+    "drill": st.sampled_from([[], ["--key", "drill-k"], ["--key", "k", "--", "true"]]),
+    "overlap": st.sampled_from([[], ["--first", "true", "--second", "true", "--runs", "1"]]),
+    "help": st.sampled_from([[], ["status"], ["nope"]]),
+    "version": st.just([]),
+}
+
+
+@st.composite
+def command_lines(draw) -> tuple[list[str], dict[str, str]]:
+    """(argv without the child, environment): options before and after a subcommand."""
+    flags = draw(st.lists(st.sampled_from(sorted(RUN_OPTIONS)), max_size=5))
+    argv: list[str] = []
+    for flag in flags:
+        strategy = RUN_OPTIONS[flag]
+        argv += [flag] if strategy is None else [flag, draw(strategy)]
+    subcommand = draw(st.one_of(st.none(), st.sampled_from(sorted(SUBCOMMANDS))))
+    if subcommand is not None:
+        argv += [subcommand, *draw(SUBCOMMANDS[subcommand])]
+        after = draw(
+            st.lists(st.sampled_from(["--dsn", "--connect-timeout", "--json"]), max_size=2)
+        )
+        for flag in after:
+            strategy = RUN_OPTIONS.get(flag)
+            argv += [flag] if strategy is None else [flag, draw(strategy)]
+    names = draw(st.lists(st.sampled_from(sorted(VARIABLES)), max_size=4, unique=True))
+    env = {name: draw(VARIABLES[name]) for name in names}
+    return argv, env
+
+
+def base_environment() -> dict[str, str]:
+    """What every example starts from: no real database reachable by any default."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", str(Path.home())),
+        "PGHOST": CLOSED_HOST,
+        "PGPORT": "1",
+        "PGCONNECT_TIMEOUT": "1",
+        "JOBRUN_DSN": f"host={CLOSED_HOST} port=1",
+        "JOBRUN_CONNECT_TIMEOUT": "1s",
+        "JOBRUN_LOG_FORMAT": "json",
+    }
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    saved = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+#: What each subcommand takes from the options written before it (the others are refused).
+TAKES = {
+    "status": {"--dsn", "--connect-timeout", "--key", "--lock-id"},
+    "history": {"--dsn", "--connect-timeout", "--key", "--lock-id"},
+    "doctor": {"--dsn", "--connect-timeout", "--mode"},
+    "drill": {
+        "--dsn",
+        "--connect-timeout",
+        "--mode",
+        "--ttl",
+        "--kill-after",
+        "--heartbeat",
+        "--key",
+    },
+    "overlap": {"--dsn", "--connect-timeout"},
+}
+
+
+def placed_before(argv: list[str]) -> tuple[str | None, set[str]]:
+    """The subcommand (None: a run) and the flags written before it."""
+    flags: set[str] = set()
+    position = 0
+    while position < len(argv):
+        word = argv[position]
+        if word in SUBCOMMANDS:
+            return word, flags
+        if word == "--":
+            return None, flags
+        flags.add(word)
+        position += 1 if RUN_OPTIONS.get(word) is None else 2
+    return None, flags
+
+
+def check(status: int, out: str, err: str, mark: Path, argv: list[str]) -> None:
+    """The promises that hold for every command line."""
+    subcommand, before = placed_before(argv)
+    if subcommand is not None and before - TAKES.get(subcommand, set()):
+        # An option the subcommand does not take, written before it: refused, not ignored.
+        assert status == Exit.USAGE, f"{argv!r}: {status}\n{err}"
+    shown = f"argv={argv!r}\nstatus={status}\nstdout={out[-2000:]!r}\nstderr={err[-2000:]!r}"
+    assert "Traceback" not in out + err, shown
+    assert status != Exit.INTERNAL, shown
+    assert status in DOCUMENTED, shown
+    assert SECRET not in out, shown
+    assert SECRET not in err, shown
+    if status == Exit.USAGE:
+        assert not mark.exists(), shown
+        assert len(err.strip().splitlines()) == 1, shown
+
+
+@pytest.fixture
+def mark_dir():
+    with tempfile.TemporaryDirectory(prefix="jobrun-prop-") as directory:
+        yield Path(directory)
+
+
+@pytest.mark.timeout(WHOLE_TEST_TIMEOUT)
+class TestCommandLines:
+    """Whatever the command line and the environment, jobrun ends in a documented way."""
+
+    @given(line=command_lines())
+    def test_in_process(self, line, capfd, mark_dir):
+        """jobrun.cli.main(argv) with a generated environment."""
+        TRIED["test_in_process"] = TRIED.get("test_in_process", 0) + 1
+        argv, variables = line
+        mark = mark_dir / "ran"
+        mark.unlink(missing_ok=True)
+        full = [*argv, "--", TOUCH, str(mark)] if "--" not in argv else argv
+        capfd.readouterr()
+        with environment({**base_environment(), **variables}):
+            try:
+                main(full)
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capfd.readouterr()
+        check(status, out, err, mark, full)
+
+    @settings(max_examples=PROCESS_EXAMPLES)
+    @given(line=command_lines())
+    def test_as_a_process(self, line, mark_dir):
+        """`python -m jobrun` with the same lines, argv as raw bytes (surrogateescape)."""
+        TRIED["test_as_a_process"] = TRIED.get("test_as_a_process", 0) + 1
+        argv, variables = line
+        assume(all("\x00" not in part for part in argv))
+        mark = mark_dir / "ran"
+        mark.unlink(missing_ok=True)
+        full = [*argv, "--", TOUCH, str(mark)] if "--" not in argv else argv
+        env = {**base_environment(), **variables}
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        result = subprocess.run(
+            [os.fsencode(sys.executable), b"-m", b"jobrun", *(os.fsencode(a) for a in full)],
+            env={os.fsencode(k): os.fsencode(v) for k, v in env.items()},
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        out = result.stdout.decode("utf-8", "replace")
+        err = result.stderr.decode("utf-8", "replace")
+        check(result.returncode, out, err, mark, full)
+
+
+class TestDsnNotUtf8:
+    """A DSN with bytes that are not UTF-8 (from argv or JOBRUN_DSN)."""
+
+    @pytest.mark.xfail(
+        reason="db.py: a DSN that is not UTF-8 ends in exit 70 (UnicodeEncodeError from "
+        "psycopg's conninfo parser); fixed in db.py's own branch",
+        strict=False,
+    )
+    @settings(max_examples=20)
+    @given(
+        dsn=dsns_not_utf8,
+        where=st.sampled_from(["flag", "variable"]),
+        subcommand=st.sampled_from([[], ["status"]]),
+    )
+    def test_is_a_usage_error(self, dsn, where, subcommand, capfd, mark_dir):
+        """Exit 64 (or 69), never 70, and the password is not shown."""
+        mark = mark_dir / "ran"
+        argv = [*subcommand, "--dsn", dsn] if where == "flag" else [*subcommand]
+        full = [*argv, "--key", "k", "--", TOUCH, str(mark)] if not subcommand else argv
+        env = {**base_environment(), **({"JOBRUN_DSN": dsn} if where == "variable" else {})}
+        capfd.readouterr()
+        with environment(env):
+            try:
+                main(full)
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 1
+        out, err = capfd.readouterr()
+        check(status, out, err, mark, full)
+
+
+def test_the_process_examples_use_the_real_entry_point():
+    """The subprocess examples run what users run (a broken command would pass vacuously)."""
+    result = jobrun_cli.run("key", "a", dsn=None)
+    assert result.returncode == 0
