@@ -57,7 +57,7 @@ TABLE: tuple[tuple[str, str], ...] = (
     (
         str(Exit.BROKEN_PIPE.value),
         (
-            "the reader of a subcommand's output went away (`jobrun status | head -1`): "
+            "the reader of a subcommand's output went away (`jobrun status` piped into `head -1`): "
             "jobrun stops quietly, as Unix tools do (128 + SIGPIPE)"
         ),
     ),
