@@ -14,10 +14,11 @@ if TYPE_CHECKING:
 
 
 def register(group: click.Group) -> None:
-    """Add the status, history and doctor subcommands to the jobrun group."""
+    """Add the status, history, doctor and deadlocks subcommands to the jobrun group."""
     group.add_command(status_command)
     group.add_command(history_command)
     group.add_command(doctor_command)
+    group.add_command(deadlocks_command)
 
 
 def _json_option(command: Any) -> Any:
@@ -148,3 +149,28 @@ def doctor_command(dsn: str, connect_timeout: str, mode: str, as_json: bool) -> 
     else:
         click.echo(doctor.report(findings))
     return doctor.exit_status(findings)
+
+
+@click.command("deadlocks")
+@click.argument("logfiles", nargs=-1, required=True, metavar="LOGFILE...")
+@click.option(
+    "--log-line-prefix",
+    "prefix",
+    metavar="PREFIX",
+    help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
+)
+@click.option("--check", is_flag=True, help="Exit 1 when the logs hold any deadlock.")
+@_json_option
+def deadlocks_command(
+    logfiles: tuple[str, ...], prefix: str | None, check: bool, as_json: bool
+) -> int:
+    """Find every deadlock in PostgreSQL server logs and name both sides.
+
+    LOGFILE: a stderr, csvlog or jsonlog file (.gz too), or - for stdin. With %a in
+    log_line_prefix (or csvlog/jsonlog) each side is named by its application, which is
+    jobrun:<key> for a job jobrun runs. Exit status: 0 when read (1 with --check when a
+    deadlock was found), 66 when a file cannot be read, 65 when it is not a PostgreSQL log.
+    """
+    from jobrun import deadlocks  # noqa: PLC0415 - keeps --help light
+
+    return deadlocks.run(logfiles, prefix=prefix, as_json=as_json, check=check, echo=click.echo)
