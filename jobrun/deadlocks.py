@@ -78,6 +78,13 @@ _GROUP_NAME = re.compile(r"\?P<\w+>")
 _WAITS = re.compile(
     r"Process (?P<pid>\d+) waits for (?P<lock>.+?); blocked by process (?P<blocker>\d+)\.\Z"
 )
+#: log_connections' line for a session, which carries its application_name from the start
+#: (the %a of that line still reads [unknown]: the name is set just after it).
+_AUTHORIZED = re.compile(
+    r"connection authorized: .*?\bapplication_name=(?P<app>.*?)(?: SSL enabled| GSS|\Z)"
+)
+#: What %a (and csvlog/jsonlog) show before the startup packet has named the session.
+_UNNAMED = frozenset({"", "[unknown]"})
 _RUNS = re.compile(r"Process (?P<pid>\d+): (?P<statement>.*)\Z", re.DOTALL)
 
 
@@ -526,6 +533,11 @@ class _Scanner:
 
     def feed(self, entry: Entry) -> None:
         self.entries += 1
+        if entry.app in _UNNAMED:
+            entry.app = None
+        authorized = _AUTHORIZED.match(entry.message)
+        if authorized and authorized["app"] not in _UNNAMED:
+            entry.app = authorized["app"]
         if entry.pid is not None and entry.app:
             self._name_later_sides(entry.pid, entry.line, entry.app)
             self._latest[entry.pid] = (entry.line, entry.app)
