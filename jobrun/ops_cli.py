@@ -132,10 +132,11 @@ def history_command(
 )
 @_json_option
 def doctor_command(dsn: str, connect_timeout: str, mode: str, as_json: bool) -> int:
-    """Check what a run depends on: server, role, schema, pooler, settings, capacity.
+    """Check what a run depends on: server, role, schema, pooler, settings, capacity, logging.
 
-    One line per check, OK / WARN / FAIL. Exit status: 0 when nothing FAILs, 1 when
-    something does, 69 when the database cannot be reached at all.
+    One line per check: OK, NOTE (worth knowing, e.g. deadlock logging), WARN, FAIL, or
+    UNKNOWN (the check could not run). Exit status: 0 when every check ran and nothing
+    FAILs, 1 when something FAILs or is UNKNOWN, 69 when the database cannot be reached.
     """
     import json  # noqa: PLC0415 - keeps --help light
 
