@@ -317,7 +317,12 @@ def _entries(
         if _exported(first) is None:
             return "json", _json_entries(lines, source)
         # Log explorer exports (Cloud SQL): one JSON record per line of a stderr log.
-        texts = (text + "\n" for text in map(_exported, lines) if text is not None)
+        texts = (
+            line + "\n"
+            for text in map(_exported, lines)
+            if text is not None
+            for line in text.splitlines()
+        )
         return _stderr("exported-json", texts, source, prefix)
     if _looks_like_csv(first):
         return "csv", _csv_entries(lines, source)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import re
 import threading
 import time
 import uuid
@@ -209,6 +210,34 @@ class TestRealLogs:
         deadlock = only_deadlock(logs["stderr"])
         assert {side.application for side in deadlock.sides} == set(JOBS)
         assert all(side.named_by != "this line" for side in deadlock.sides)
+
+    @pytest.mark.parametrize("per", ["line", "message"])
+    def test_a_cloud_logging_export_is_read(self, logging_server, tmp_path, per):
+        """JSON records carrying stderr text (textPayload), one per line or per message.
+
+        Built from a real stderr log in the shape of a Cloud Logging export (Cloud SQL's
+        prefix is ``%m [%p]: [%l-1] db=%d,user=%u``); no export of a real Cloud SQL
+        instance was available to test against.
+        """
+        prefix = "%m [%p]: [%l-1] db=%d,user=%u "
+        logs = logged_deadlock(logging_server, tmp_path, prefix)
+        text = logs["stderr"].read_text()
+        # Per message: a continuation line (a tab first) stays with the line before it.
+        by_message = re.split(r"\n(?!\t)", text.rstrip("\n"))
+        records = text.splitlines() if per == "line" else by_message
+        export = tmp_path / "export.json"
+        export.write_text(
+            "".join(
+                json.dumps({"textPayload": record, "resource": {"type": "cloudsql_database"}})
+                + "\n"
+                for record in records
+            )
+        )
+        found = deadlocks.find([str(export)])
+        assert found.files[0]["format"] == "exported-json"
+        (deadlock,) = found.deadlocks
+        assert {side.application for side in deadlock.sides} == set(JOBS)
+        assert all(side.statement for side in deadlock.sides)
 
     def test_the_cli_reads_stdin_gzip_and_prints_json(self, logging_server, tmp_path):
         """``jobrun deadlocks --json - f.gz``: the same deadlock from both, exit 0."""
