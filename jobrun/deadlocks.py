@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from jobrun.exitcodes import JobrunError
+from jobrun.exitcodes import Exit, JobrunError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -91,14 +91,21 @@ _RUNS = re.compile(r"Process (?P<pid>\d+): (?P<statement>.*)\Z", re.DOTALL)
 class NoInputError(JobrunError):
     """A log file is missing or unreadable."""
 
-    exit_code = 66  # EX_NOINPUT, sysexits.h
+    exit_code = Exit.NO_INPUT
     event = "no_input"
+
+
+class OutputError(JobrunError):
+    """The report could not be written (a full disk, a closed pipe)."""
+
+    exit_code = Exit.IO_ERROR
+    event = "output_error"
 
 
 class NotALogError(JobrunError):
     """Nothing in a log file looks like a PostgreSQL server log."""
 
-    exit_code = 65  # EX_DATAERR, sysexits.h
+    exit_code = Exit.DATA_ERROR
     event = "not_a_log"
 
 
@@ -211,7 +218,11 @@ def run(
             reason = "no such file" if not Path(path).exists() else "not a readable file"
             raise NoInputError(f"cannot read {path}: {reason}")
     found = find(paths, prefix=prefix)
-    echo(json.dumps(found.as_json(), indent=2) if as_json else report(found))
+    try:
+        echo(json.dumps(found.as_json(), indent=2) if as_json else report(found))
+        sys.stdout.flush()
+    except OSError as exc:
+        raise OutputError(f"cannot write the report: {exc.strerror or exc}") from None
     return 1 if check and found.deadlocks else 0
 
 
@@ -309,10 +320,15 @@ def _entries(
     stream: IO[str], source: str, prefix: str | None
 ) -> tuple[str | None, Iterator[Entry]]:
     """The log's format (None: not a PostgreSQL log) and its entries, streamed."""
-    first = next((line for line in stream if line.strip()), None)
-    if first is None:
+    head: list[str] = []
+    for line in stream:  # blank lines before the first entry are kept: line numbers count them
+        head.append(line)
+        if line.strip():
+            break
+    if not head or not head[-1].strip():
         return "empty", iter(())
-    lines = _chain([first], stream)
+    first = head[-1]
+    lines = _chain(head, stream)
     if first.lstrip().startswith("{"):
         if _exported(first) is None:
             return "json", _json_entries(lines, source)

@@ -11,6 +11,8 @@ class Exit(enum.IntEnum):
 
     OK = 0
     USAGE = 64
+    DATA_ERROR = 65  # jobrun deadlocks: a file that is not a PostgreSQL log (EX_DATAERR)
+    NO_INPUT = 66  # jobrun deadlocks: a log file missing or unreadable (EX_NOINPUT)
     UNAVAILABLE = 69
     INTERNAL = 70
     IO_ERROR = 74

@@ -6,9 +6,11 @@ import contextlib
 import gzip
 import json
 import re
+import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -22,7 +24,6 @@ from support.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from pathlib import Path
 
 #: Debian's default prefix plus the application name.
 PREFIX_WITH_APP = "%m [%p] %q%u@%d %a "
@@ -338,6 +339,31 @@ class TestBadInput:
         result = jobrun_cli.run("deadlocks", str(path), dsn=None)
         assert result.returncode == 0, result.stderr
         assert "0 deadlock(s)" in result.stdout
+
+    def test_a_full_disk_exits_74(self, tmp_path):
+        """The report cannot be written (/dev/full): EX_IOERR, one line, no traceback."""
+        if not Path("/dev/full").exists():
+            pytest.skip("no /dev/full here")
+        path = tmp_path / "log"
+        path.write_text(TestOtherSide.VICTIM.format(app="jobrun:a"))
+        with Path("/dev/full").open("w") as full:
+            result = subprocess.run(
+                [*jobrun_cli.JOBRUN, "deadlocks", str(path)],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                check=False,
+                timeout=60,
+            )
+        assert result.returncode == 74
+        (line,) = result.stderr.strip().splitlines()
+        assert "cannot write the report" in line
+
+    def test_line_numbers_count_leading_blank_lines(self, tmp_path):
+        """The entry's line number is its line in the file, blank lines before it included."""
+        path = tmp_path / "log"
+        path.write_text("\n\n" + TestOtherSide.VICTIM.format(app="jobrun:a"))
+        assert only_deadlock(path).line == 3
 
     @settings(max_examples=200, deadline=None)
     @given(garbage=st.binary(max_size=400), where=st.integers(min_value=0, max_value=400))
