@@ -310,6 +310,49 @@ class TestOtherSide:
         assert victim.statement == "UPDATE a\n  SET x = 1"
 
 
+_STATEMENT_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\x00"),
+    min_size=1,
+    max_size=60,
+).filter(lambda text: text.strip() == text and "Process " not in text)
+
+
+class TestDetailProperty:
+    """Whatever the pids, locks and statements, the sides come back as PostgreSQL logged them."""
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        pids=st.lists(st.integers(1, 4_194_304), min_size=2, max_size=4, unique=True),
+        statements=st.lists(
+            st.lists(_STATEMENT_TEXT, min_size=1, max_size=3).map("\n".join),
+            min_size=4,
+            max_size=4,
+        ),
+        app=st.text(alphabet="abcdefghijklmnopqrstuvwxyz-:_", min_size=1, max_size=30),
+    )
+    def test_a_cycle_of_any_size_round_trips(self, tmp_path_factory, pids, statements, app):
+        """An n-way cycle in stderr format: every pid, lock, blocker and statement parsed."""
+        cycle = list(zip(pids, pids[1:] + pids[:1], strict=True))
+        detail = [
+            f"Process {pid} waits for ShareLock on transaction {n}; blocked by process {blocker}."
+            for n, (pid, blocker) in enumerate(cycle)
+        ] + [f"Process {pid}: {statements[n]}" for n, pid in enumerate(pids)]
+        prefix = f"2026-12-01 02:08:12.163 UTC [{pids[0]}] u@db {app} "
+        text = (
+            f"{prefix}ERROR:  deadlock detected\n"
+            f"{prefix}DETAIL:  " + "\n".join(detail).replace("\n", "\n\t") + "\n"
+        )
+        path = tmp_path_factory.mktemp("cycle") / "log"
+        path.write_text(text)
+        deadlock = only_deadlock(path, prefix=PREFIX_WITH_APP)
+        assert [side.pid for side in deadlock.sides] == pids
+        for n, side in enumerate(deadlock.sides):
+            assert side.blocked_by == cycle[n][1]
+            assert side.waits_for == f"ShareLock on transaction {n}"
+            assert side.statement == statements[n]
+        assert deadlock.sides[0].application == app
+
+
 class TestBadInput:
     """Missing files, non-logs and odd bytes: a one-line error and a documented status."""
 
