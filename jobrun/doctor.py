@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,9 @@ MIN_STATEMENT_TIMEOUT_MS = 1000
 #: deadlock_timeout outside this range (ms) makes deadlock forensics harder.
 DEADLOCK_TIMEOUT_RANGE = (100, 5000)
 #: Attempts at making the doctor's own session immune to a tiny statement_timeout.
-_IMMUNE_ATTEMPTS = 3
+_IMMUNE_ATTEMPTS = 20
+#: SHOW's units, in milliseconds.
+_UNITS_MS = {"us": 0.001, "ms": 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
 #: Advisory locks share the lock table with every other lock: one table for all of them.
 LOCK_TABLE_WARN = 0.5
 LOCK_TABLE_FAIL = 0.9
@@ -53,7 +56,7 @@ class Finding:
 
 def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]:
     """Every check, in order; a check that cannot run is UNKNOWN, saying why."""
-    _immunise(conn)
+    immune = _immunise(conn)
     defaults: dict[str, str] = {}
     checks: tuple[tuple[str, Callable[[], Iterable[Finding]]], ...] = (
         ("connection", lambda: [_connection(conn, target)]),
@@ -75,6 +78,8 @@ def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]
         except (psycopg.Error, JobrunError) as exc:  # noqa: PERF203 - a dozen checks, not a hot loop
             error = db.one_line(exc, target)
             findings.append(Finding(UNKNOWN, name, f"could not check: {error}"))
+    if immune:
+        _end_immunity(conn)
     return findings
 
 
@@ -219,29 +224,41 @@ _READ_ONLY = "default_transaction_read_only"
 _TIMEOUTS = ("statement_timeout", "transaction_timeout")
 
 
-def _immunise(conn: Connection) -> None:
+def _immunise(conn: Connection) -> bool:
     """Lift a tiny role-level statement_timeout for the doctor's own session.
 
     A role whose statement_timeout is a millisecond cancels nearly every check; the doctor
-    reads that setting from pg_settings.reset_val instead, and names it. If even this
-    statement is cancelled the checks run anyway, and each one cancelled shows as UNKNOWN.
+    reads that setting from pg_settings.reset_val instead, and names it. If even this is
+    cancelled every time, the checks run anyway, and each one cancelled shows as UNKNOWN.
+    Returns whether it changed the session (to be undone by _end_immunity).
 
     WARNING: through a transaction pooler a SET outlives our session on a shared server
-    connection, so the doctor only lifts a timeout that would cancel its own checks.
+    connection, so the doctor only lifts a timeout that would cancel its own checks, and
+    resets it at the end.
     """
     for _ in range(_IMMUNE_ATTEMPTS):
         try:
-            rows = conn.execute(
-                sql.DOCTOR_SESSION_DEFAULTS, {"names": ["statement_timeout"]}
-            ).fetchall()
-            if not rows or not 0 < int(str(rows[0][1])) < MIN_STATEMENT_TIMEOUT_MS:
-                return
+            row = conn.execute(sql.DOCTOR_STATEMENT_TIMEOUT).fetchone()
+            if row is None or not 0 < _milliseconds(str(row[0])) < MIN_STATEMENT_TIMEOUT_MS:
+                return False
             conn.execute(sql.DOCTOR_IMMUNE)
         except psycopg.errors.QueryCanceled:
             continue
         except psycopg.Error:
-            return
-        return
+            return False
+        return True
+    return False
+
+
+def _end_immunity(conn: Connection) -> None:
+    with contextlib.suppress(psycopg.Error):
+        conn.execute(sql.DOCTOR_IMMUNE_END)
+
+
+def _milliseconds(shown: str) -> float:
+    """``SHOW statement_timeout`` (``0``, ``1ms``, ``2s``, ``1min``) in milliseconds."""
+    number = shown.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return float(number) * _UNITS_MS.get(shown[len(number) :], 1)
 
 
 def _session_defaults(conn: Connection, mode: str, seen: dict[str, str]) -> list[Finding]:
