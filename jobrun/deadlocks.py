@@ -26,7 +26,7 @@ DEADLOCK_MESSAGE = "deadlock detected"
 DEADLOCK_SQLSTATE = "40P01"
 #: Lines read to choose the stderr prefix layout before the real pass starts.
 SNIFF_LINES = 2000
-#: Before the layout is chosen, an undecided line may still be this long (a pasted dump).
+#: Longest csvlog field accepted (a statement of a bulk INSERT can be megabytes).
 _CSV_FIELD_LIMIT = 64 * 1024 * 1024
 
 #: ``log_line_prefix`` values seen in the wild, tried in this order when none is given: with
@@ -275,7 +275,6 @@ def find(
             fmt, entries = _entries(stream, scanner.source, prefix)
             for entry in entries:
                 scanner.feed(entry)
-            scanner.finish()
         if fmt is None:
             raise NotALogError(
                 f"{scanner.source}: nothing in it looks like a PostgreSQL server log "
@@ -600,9 +599,6 @@ class _Scanner:
             context=entry.extra.get("context"),
             statement=entry.extra.get("statement"),
         )
-
-    def finish(self) -> None:
-        self._waiting.clear()
 
 
 def parse_detail(detail: str) -> list[Side]:
