@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,14 +16,26 @@ if TYPE_CHECKING:
 
     Connection = psycopg.Connection[tuple[Any, ...]]
 
-OK, WARN, FAIL = "OK", "WARN", "FAIL"
+OK, NOTE, WARN, FAIL, UNKNOWN = "OK", "NOTE", "WARN", "FAIL", "UNKNOWN"
+#: A check that could not run proves nothing: it fails the doctor like a FAIL does.
+FAILING = frozenset({FAIL, UNKNOWN})
 #: Oldest server jobrun is tested against.
 MIN_TESTED_VERSION = 120000
 #: A vanished client's session (and its advisory locks) should be dropped within this.
 KEEPALIVE_BUDGET = 300
 #: Below this many free connection slots, a burst of jobs may be refused.
 MIN_FREE_CONNECTIONS = 5
-#: Advisory locks share the lock table with every other lock (PITFALLS 12).
+#: A role-level statement_timeout (or transaction_timeout) below this cancels jobrun's own
+#: history and lease statements, which normally take milliseconds but can take longer on a
+#: busy server.
+MIN_STATEMENT_TIMEOUT_MS = 1000
+#: deadlock_timeout outside this range (ms) makes deadlock forensics harder.
+DEADLOCK_TIMEOUT_RANGE = (100, 5000)
+#: Attempts at making the doctor's own session immune to a tiny statement_timeout.
+_IMMUNE_ATTEMPTS = 20
+#: SHOW's units, in milliseconds.
+_UNITS_MS = {"us": 0.001, "ms": 1, "s": 1000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
+#: Advisory locks share the lock table with every other lock: one table for all of them.
 LOCK_TABLE_WARN = 0.5
 LOCK_TABLE_FAIL = 0.9
 _PERCENT = 100
@@ -32,7 +45,7 @@ _PERCENT = 100
 class Finding:
     """One line of the report."""
 
-    status: str  # OK, WARN or FAIL
+    status: str  # OK, NOTE, WARN, FAIL or UNKNOWN
     check: str
     detail: str
 
@@ -42,38 +55,47 @@ class Finding:
 
 
 def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]:
-    """Every check, in order; a check that cannot run is a WARN saying why."""
+    """Every check, in order; a check that cannot run is UNKNOWN, saying why."""
+    immune = _immunise(conn)
+    defaults: dict[str, str] = {}
     checks: tuple[tuple[str, Callable[[], Iterable[Finding]]], ...] = (
         ("connection", lambda: [_connection(conn, target)]),
         ("server", lambda: [_server(conn)]),
         ("role", lambda: [_role(conn)]),
-        ("schema", lambda: _schema(conn, mode)),
+        ("session defaults", lambda: _session_defaults(conn, mode, defaults)),
+        ("schema", lambda: _schema(conn, mode, read_only=defaults.get(_READ_ONLY) == "on")),
         ("pooler", lambda: [_pooler(conn, target, mode)]),
         ("idle timeouts", lambda: _idle_timeouts(conn)),
         ("tcp keepalives", lambda: [_keepalives(conn, mode)]),
         ("connections", lambda: [_connections(conn)]),
         ("advisory locks", lambda: _advisory(conn)),
+        ("deadlock logging", lambda: _deadlock_logging(conn)),
     )
     findings: list[Finding] = []
     for name, check in checks:
         try:
             findings.extend(check())
-        except (psycopg.Error, JobrunError) as exc:  # noqa: PERF203 - nine checks, not a hot loop
+        except (psycopg.Error, JobrunError) as exc:  # noqa: PERF203 - a dozen checks, not a hot loop
             error = db.one_line(exc, target)
-            findings.append(Finding(WARN, name, f"could not check: {error}"))
+            findings.append(Finding(UNKNOWN, name, f"could not check: {error}"))
+    if immune:
+        _end_immunity(conn)
     return findings
 
 
 def exit_status(findings: Iterable[Finding]) -> int:
-    """0 when nothing FAILs, else 1."""
-    return 1 if any(finding.status == FAIL for finding in findings) else 0
+    """0 when every check ran and nothing FAILs, else 1."""
+    return 1 if any(finding.status in FAILING for finding in findings) else 0
 
 
 def report(findings: Iterable[Finding]) -> str:
     """``STATUS  CHECK  DETAIL`` lines, aligned."""
     rows = list(findings)
     width = max((len(row.check) for row in rows), default=0)
-    return "\n".join(f"{row.status:<4}  {row.check:<{width}}  {row.detail}" for row in rows)
+    status_width = max((len(row.status) for row in rows), default=4)
+    return "\n".join(
+        f"{row.status:<{status_width}}  {row.check:<{width}}  {row.detail}" for row in rows
+    )
 
 
 def _one(conn: Connection, query: str, params: dict[str, object] | None = None) -> tuple[Any, ...]:
@@ -124,11 +146,20 @@ def _role(conn: Connection) -> Finding:
     return Finding(OK, "role", f"{user}, not a superuser{signals}; {sees}")
 
 
-def _schema(conn: Connection, mode: str) -> list[Finding]:
+def _schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
     """The jobrun schema and its tables: there, or creatable, and usable by this role."""
     exists, create_in_db, usage, create_in_schema = _one(conn, sql.DOCTOR_SCHEMA)
     lease_needed = FAIL if mode == "lease" else WARN
     if not exists:
+        if read_only:
+            return [
+                Finding(
+                    lease_needed,
+                    "schema",
+                    "jobrun schema missing, and this role's sessions are read-only "
+                    "(default_transaction_read_only = on): it cannot be created",
+                )
+            ]
         if create_in_db:
             return [Finding(OK, "schema", "jobrun schema not there yet; created on first use")]
         return [
@@ -186,6 +217,185 @@ def _schema(conn: Connection, mode: str) -> list[Finding]:
             )
         else:
             findings.append(Finding(OK, name, "exists; SELECT, INSERT, UPDATE, DELETE granted"))
+    return findings
+
+
+_READ_ONLY = "default_transaction_read_only"
+_TIMEOUTS = ("statement_timeout", "transaction_timeout")
+
+
+def _immunise(conn: Connection) -> bool:
+    """Lift a tiny role-level statement_timeout for the doctor's own session.
+
+    A role whose statement_timeout is a millisecond cancels nearly every check; the doctor
+    reads that setting from pg_settings.reset_val instead, and names it. If even this is
+    cancelled every time, the checks run anyway, and each one cancelled shows as UNKNOWN.
+    Returns whether it changed the session (to be undone by _end_immunity).
+
+    WARNING: through a transaction pooler a SET outlives our session on a shared server
+    connection, so the doctor only lifts a timeout that would cancel its own checks, and
+    resets it at the end.
+    """
+    for _ in range(_IMMUNE_ATTEMPTS):
+        try:
+            row = conn.execute(sql.DOCTOR_STATEMENT_TIMEOUT).fetchone()
+            if row is None or not 0 < _milliseconds(str(row[0])) < MIN_STATEMENT_TIMEOUT_MS:
+                return False
+            conn.execute(sql.DOCTOR_IMMUNE)
+        except psycopg.errors.QueryCanceled:
+            continue
+        except psycopg.Error:
+            return False
+        return True
+    return False
+
+
+def _end_immunity(conn: Connection) -> None:
+    with contextlib.suppress(psycopg.Error):
+        conn.execute(sql.DOCTOR_IMMUNE_END)
+
+
+def _milliseconds(shown: str) -> float:
+    """``SHOW statement_timeout`` (``0``, ``1ms``, ``2s``, ``1min``) in milliseconds."""
+    number = shown.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return float(number) * _UNITS_MS.get(shown[len(number) :], 1)
+
+
+def _session_defaults(conn: Connection, mode: str, seen: dict[str, str]) -> list[Finding]:
+    """Settings every session of this role starts with that make jobrun's statements fail."""
+    rows = conn.execute(sql.DOCTOR_SESSION_DEFAULTS, {"names": [_READ_ONLY, *_TIMEOUTS]}).fetchall()
+    values = {str(name): (str(value), str(unit or "")) for name, value, unit in rows}
+    seen.update({name: value for name, (value, _unit) in values.items()})
+    lease_breaks = FAIL if mode == "lease" else WARN
+    broken = (
+        "lease mode cannot take or renew a lease (exit 69)"
+        if mode == "lease"
+        else "session mode runs, but run history is not kept and --once-per runs exit 69"
+    )
+    findings: list[Finding] = []
+    read_only = values.get(_READ_ONLY, ("off", ""))[0]
+    if read_only == "on":
+        findings.append(
+            Finding(
+                lease_breaks,
+                _READ_ONLY,
+                f"on for this role: jobrun cannot write its tables; {broken}; "
+                f"ALTER ROLE <role> SET {_READ_ONLY} = off (or use another role)",
+            )
+        )
+    else:
+        findings.append(Finding(OK, _READ_ONLY, "off"))
+    for name in _TIMEOUTS:
+        if name not in values:
+            continue  # transaction_timeout is new in PostgreSQL 17
+        findings.append(_timeout(name, *values[name], severity=lease_breaks, broken=broken))
+    return findings
+
+
+def _timeout(name: str, value: str, unit: str, *, severity: str, broken: str) -> Finding:
+    milliseconds = int(value) * (1000 if unit == "s" else 1)
+    if milliseconds == 0:
+        return Finding(OK, name, "0 (off)")
+    shown = f"{value}{unit}"
+    if milliseconds < MIN_STATEMENT_TIMEOUT_MS:
+        return Finding(
+            severity,
+            name,
+            f"{shown} for this role: cancels jobrun's own statements; {broken}; "
+            f"ALTER ROLE <role> SET {name} = 0 (or at least "
+            f"{MIN_STATEMENT_TIMEOUT_MS // 1000}s)",
+        )
+    if name == "transaction_timeout":
+        # WARNING: unlike statement_timeout, this one ends the whole session, and the lock
+        # session does not lift it: a blocking --wait longer than this loses the session.
+        return Finding(
+            WARN,
+            name,
+            f"{shown} for this role: ends any session whose transaction lasts longer, so a "
+            "--wait for a held key must be shorter than that",
+        )
+    return Finding(
+        OK,
+        name,
+        f"{shown} for new sessions: jobrun's lock session sets it to 0 for itself "
+        "(the job's own sessions are still subject to it)",
+    )
+
+
+def _deadlock_logging(conn: Connection) -> list[Finding]:
+    """Whether the server log can confirm a deadlock and name both jobs (NOTE, not FAIL)."""
+    names = (
+        "log_lock_waits",
+        "deadlock_timeout",
+        "log_connections",
+        "log_destination",
+        "log_line_prefix",
+    )
+    settings = _settings(conn, names)
+    findings: list[Finding] = []
+    waits = settings.get("log_lock_waits", ("off", "off"))[0]
+    findings.append(
+        Finding(OK, "log_lock_waits", "on: lock waits longer than deadlock_timeout are logged")
+        if waits == "on"
+        else Finding(
+            NOTE,
+            "log_lock_waits",
+            "off: turn it on (ALTER SYSTEM SET log_lock_waits = on) so the server log shows "
+            "who waited for whom before a deadlock, for jobrun deadlocks",
+        )
+    )
+    timeout_ms, timeout_shown = settings["deadlock_timeout"]
+    low, high = DEADLOCK_TIMEOUT_RANGE
+    if int(timeout_ms) < low:
+        findings.append(
+            Finding(
+                NOTE,
+                "deadlock_timeout",
+                f"{timeout_shown}: so short that jobrun overlap may not see the wait-for "
+                "cycle before PostgreSQL breaks it, and log_lock_waits logs every short wait",
+            )
+        )
+    elif int(timeout_ms) > high:
+        findings.append(
+            Finding(
+                NOTE,
+                "deadlock_timeout",
+                f"{timeout_shown}: both jobs of a deadlock stand still this long before "
+                "PostgreSQL breaks it",
+            )
+        )
+    else:
+        findings.append(Finding(OK, "deadlock_timeout", timeout_shown))
+    connections = settings.get("log_connections", ("off", "off"))[0]
+    # PostgreSQL 18 takes a list of aspects; "authorization" is the line naming the session.
+    if connections in {"on", "all"} or "authorization" in connections.split(","):
+        findings.append(
+            Finding(OK, "log_connections", "on: every session's first line names its application")
+        )
+    else:
+        findings.append(
+            Finding(
+                NOTE,
+                "log_connections",
+                "off: the other side of a deadlock is named only if it logged a line itself "
+                "(a lock wait, an error); log_connections = on names every session",
+            )
+        )
+    destinations = set(settings.get("log_destination", ("stderr", ""))[0].split(","))
+    prefix = settings.get("log_line_prefix", ("", ""))[0]
+    if "%a" in prefix:
+        findings.append(Finding(OK, "log_line_prefix", f"'{prefix}' names the application (%a)"))
+    elif destinations <= {"csvlog", "jsonlog"}:
+        findings.append(Finding(OK, "log_line_prefix", "csvlog/jsonlog carry the application name"))
+    else:
+        findings.append(
+            Finding(
+                NOTE,
+                "log_line_prefix",
+                f"'{prefix}' has no %a: a deadlock's sides show as pids, not as the jobs "
+                "(jobrun:<key>); add %a, or log to csvlog/jsonlog as well",
+            )
+        )
     return findings
 
 

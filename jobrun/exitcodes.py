@@ -11,6 +11,8 @@ class Exit(enum.IntEnum):
 
     OK = 0
     USAGE = 64
+    DATA_ERROR = 65  # jobrun deadlocks: a file that is not a PostgreSQL log (EX_DATAERR)
+    NO_INPUT = 66  # jobrun deadlocks: a log file missing or unreadable (EX_NOINPUT)
     UNAVAILABLE = 69
     INTERNAL = 70
     IO_ERROR = 74
@@ -47,6 +49,8 @@ TABLE: tuple[tuple[str, str], ...] = (
     (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
     (str(Exit.NOT_FOUND.value), "the command was not found"),
     (str(Exit.USAGE.value), "usage error: bad flag, key, duration or missing command"),
+    (str(Exit.DATA_ERROR.value), "`jobrun deadlocks`: a file that is not a PostgreSQL server log"),
+    (str(Exit.NO_INPUT.value), "`jobrun deadlocks`: a log file is missing or unreadable"),
     (
         str(Exit.IO_ERROR.value),
         (

@@ -458,6 +458,19 @@ CROSS JOIN (SELECT oid FROM pg_database WHERE datname = current_database()) AS d
 WHERE l.locktype = 'advisory' AND l.granted
 """
 
+#: The doctor's own session must not be cut short by the role's statement_timeout: it reads
+#: the role's value from pg_settings.reset_val (the value a new session starts with) instead.
+#: SHOW and SET touch no catalog, so they finish even under a 1 ms timeout on a busy server.
+DOCTOR_STATEMENT_TIMEOUT = "SHOW statement_timeout"
+DOCTOR_IMMUNE = "SET statement_timeout = 0"
+DOCTOR_IMMUNE_END = "RESET statement_timeout"
+
+#: Settings as every new session of this role starts with them (server file, ALTER
+#: DATABASE / ROLE ... SET), even after this session changed them for itself.
+DOCTOR_SESSION_DEFAULTS = """
+SELECT name, reset_val, unit FROM pg_settings WHERE name = ANY(%(names)s)
+"""
+
 # --- history transactions -------------------------------------------------------------------
 
 #: History transactions are opened and closed by hand: a connection cut on purpose (a silent

@@ -93,7 +93,7 @@ class TestExamples:
 
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 #: Exit paths printed as one line by main(), never logged as events.
-NOT_LOGGED = {"error", "usage_error", "output_error", "pipe_closed"}
+NOT_LOGGED = {"error", "usage_error", "output_error", "pipe_closed", "no_input", "not_a_log"}
 
 
 class TestReference:

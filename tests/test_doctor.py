@@ -82,10 +82,10 @@ class TestReport:
     """One line per check, OK / WARN / FAIL, and an exit status that follows them."""
 
     def test_every_check_is_one_line_with_a_status(self, doctor, dsn):
-        """Each line starts with OK, WARN or FAIL; the expected checks are all there."""
+        """Each line starts with OK, NOTE, WARN or FAIL; the expected checks are all there."""
         result = doctor(dsn)
         lines = result.stdout.splitlines()
-        assert {line.split()[0] for line in lines} <= {"OK", "WARN", "FAIL"}
+        assert {line.split()[0] for line in lines} <= {"OK", "NOTE", "WARN", "FAIL"}
         checks = {line.split()[1] for line in lines}
         assert {
             "connection",
@@ -98,6 +98,11 @@ class TestReport:
             "connections",
             "advisory",
             "lock",
+            "default_transaction_read_only",
+            "statement_timeout",
+            "log_lock_waits",
+            "deadlock_timeout",
+            "log_line_prefix",
         } <= checks
 
     def test_exit_status_is_0_without_a_fail(self, doctor, dsn):
@@ -172,6 +177,90 @@ class TestSchemaAndPrivileges:
         row = findings(doctor(role(dsn), "--json"))["role"]
         assert row["status"] == "OK"
         assert "not a superuser" in row["detail"]
+
+
+class TestRolesThatCannotWork:
+    """Role settings that break jobrun are named, and a check that cannot run never passes."""
+
+    def test_a_read_only_role_fails_lease_mode(self, doctor, fresh_dsn, role):
+        """default_transaction_read_only = on: FAIL in lease mode, naming the setting; exit 1."""
+        limited = role(fresh_dsn, "ALTER ROLE {role} SET default_transaction_read_only = on")
+        result = doctor(limited, "--mode", "lease", "--json")
+        rows = findings(result)
+        assert rows["default_transaction_read_only"]["status"] == "FAIL"
+        assert "lease" in rows["default_transaction_read_only"]["detail"]
+        assert rows["schema"]["status"] == "FAIL"
+        assert "read-only" in rows["schema"]["detail"]
+        assert result.return_value == 1
+
+    def test_a_read_only_role_warns_session_mode(self, doctor, fresh_dsn, role):
+        """The same role in session mode: runs work, history and --once-per do not: WARN."""
+        limited = role(fresh_dsn, "ALTER ROLE {role} SET default_transaction_read_only = on")
+        result = doctor(limited, "--json")
+        row = findings(result)["default_transaction_read_only"]
+        assert row["status"] == "WARN"
+        assert "--once-per" in row["detail"]
+        assert findings(result)["schema"]["status"] == "WARN"
+
+    def test_a_one_millisecond_statement_timeout_is_named(self, doctor, fresh_dsn, role):
+        """statement_timeout = 1 ms: every check still runs, and the setting is the finding."""
+        limited = role(fresh_dsn, "ALTER ROLE {role} SET statement_timeout = 1")
+        session = doctor(limited, "--json")
+        rows = findings(session)
+        assert not [row for row in rows.values() if "could not check" in row["detail"]], rows
+        assert rows["statement_timeout"]["status"] == "WARN"
+        assert "1ms" in rows["statement_timeout"]["detail"]
+        lease = doctor(limited, "--mode", "lease", "--json")
+        assert findings(lease)["statement_timeout"]["status"] == "FAIL"
+        assert lease.return_value == 1
+
+    def test_a_check_that_cannot_run_is_unknown_and_fails(self, doctor, fresh_dsn, role):
+        """Check queries refused (catalog access revoked): UNKNOWN lines, exit 1, never OK."""
+        limited = role(
+            fresh_dsn,
+            "REVOKE SELECT ON pg_catalog.pg_settings FROM PUBLIC",
+            "REVOKE EXECUTE ON FUNCTION pg_catalog.current_setting(text) FROM PUBLIC",
+            "REVOKE EXECUTE ON FUNCTION pg_catalog.current_setting(text, boolean) FROM PUBLIC",
+            "REVOKE EXECUTE ON FUNCTION pg_catalog.pg_is_in_recovery() FROM PUBLIC",
+        )
+        result = doctor(limited, "--json")
+        rows = findings(result)
+        unknown = {name for name, row in rows.items() if row["status"] == "UNKNOWN"}
+        assert {"server", "session defaults", "idle timeouts", "connections"} <= unknown
+        assert all("could not check" in rows[name]["detail"] for name in unknown)
+        assert result.return_value == 1
+        text = doctor(limited)
+        assert any(line.startswith("UNKNOWN  server") for line in text.stdout.splitlines())
+        assert text.return_value == 1
+
+
+class TestDeadlockLogging:
+    """Whether the server log can confirm a deadlock and name both jobs: NOTE, never FAIL."""
+
+    def test_missing_forensics_settings_are_notes(self, doctor, private_server_factory):
+        """log_lock_waits and log_connections off, no %a: three NOTE lines, exit 0."""
+        server = private_server_factory({"log_lock_waits": "off", "log_connections": "off"})
+        result = doctor(server.dsn(), "--json")
+        rows = findings(result)
+        for name in ("log_lock_waits", "log_connections", "log_line_prefix"):
+            assert rows[name]["status"] == "NOTE", rows[name]
+        assert "%a" in rows["log_line_prefix"]["detail"]
+        assert rows["deadlock_timeout"]["status"] == "OK"
+        assert result.return_value == 0
+
+    def test_forensics_settings_in_place_are_ok(self, doctor, private_server_factory):
+        """log_lock_waits, log_connections, %a and a usual deadlock_timeout: all OK."""
+        server = private_server_factory(
+            {
+                "log_lock_waits": "on",
+                "log_connections": "on",
+                "log_line_prefix": "%m [%p] %q%u@%d %a ",
+                "deadlock_timeout": "200ms",
+            }
+        )
+        rows = findings(doctor(server.dsn(), "--json"))
+        for name in ("log_lock_waits", "log_connections", "log_line_prefix", "deadlock_timeout"):
+            assert rows[name]["status"] == "OK", rows[name]
 
 
 class TestSettings:

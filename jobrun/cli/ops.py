@@ -1,4 +1,4 @@
-"""``status``, ``history`` and ``doctor``: what is held, what ran, what a run depends on."""
+"""``status``, ``history``, ``doctor``, ``deadlocks``: what is held, what ran, what broke."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from jobrun.cli.group import Subcommand
 
 
 def register(group: click.Group) -> None:
-    """Add the status, history and doctor subcommands to a group."""
+    """Add the status, history, doctor and deadlocks subcommands to a group."""
     group.add_command(status_command)
     group.add_command(history_command)
     group.add_command(doctor_command)
+    group.add_command(deadlocks_command)
 
 
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
@@ -100,10 +101,11 @@ def history_command(
 @options.mode("Judge the database for this lock mode.")
 @options.as_json
 def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -> int:
-    """Check what a run depends on: server, role, schema, pooler, settings, capacity.
+    """Check what a run depends on: server, role, schema, pooler, settings, capacity, logging.
 
-    One line per check, OK / WARN / FAIL. Exit status: 0 when nothing FAILs, 1 when
-    something does, 69 when the database cannot be reached at all.
+    One line per check: OK, NOTE (worth knowing, e.g. deadlock logging), WARN, FAIL, or
+    UNKNOWN (the check could not run). Exit status: 0 when every check ran and nothing
+    FAILs, 1 when something FAILs or is UNKNOWN, 69 when the database cannot be reached.
     """
     import json
 
@@ -117,3 +119,28 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
     else:
         click.echo(doctor.report(findings))
     return doctor.exit_status(findings)
+
+
+@click.command("deadlocks", cls=Subcommand)
+@click.argument("logfiles", nargs=-1, required=True, metavar="LOGFILE...")
+@click.option(
+    "--log-line-prefix",
+    "prefix",
+    metavar="PREFIX",
+    help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
+)
+@click.option("--check", is_flag=True, help="Exit 1 when the logs hold any deadlock.")
+@options.as_json
+def deadlocks_command(
+    logfiles: tuple[str, ...], prefix: str | None, check: bool, as_json: bool
+) -> int:
+    """Find every deadlock in PostgreSQL server logs and name both sides.
+
+    LOGFILE: a stderr, csvlog or jsonlog file (.gz too), or - for stdin. With %a in
+    log_line_prefix (or csvlog/jsonlog) each side is named by its application, which is
+    jobrun:<key> for a job jobrun runs. Exit status: 0 when read (1 with --check when a
+    deadlock was found), 66 when a file cannot be read, 65 when it is not a PostgreSQL log.
+    """
+    from jobrun import deadlocks
+
+    return deadlocks.run(logfiles, prefix=prefix, as_json=as_json, check=check, echo=click.echo)

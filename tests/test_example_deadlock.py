@@ -1,0 +1,192 @@
+"""examples/deadlock/README.md, run as written: every command in it against a real server."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from support.pgserver import PgServer
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "deadlock"
+README = EXAMPLE / "README.md"
+#: The log path the README shows, replaced by the test server's real log file.
+README_LOG = "/var/log/postgresql/postgresql-16-main.log"
+#: Per command; the overlap commands make several attempts of a few seconds each.
+COMMAND_TIMEOUT = 300
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+@dataclass
+class Command:
+    """A ``$ `` line of a console block, the output shown under it, and its exit status."""
+
+    line: str
+    output: list[str] = field(default_factory=list)
+    #: From a following ``$ echo $?``; without one, the command must exit 0.
+    status: int = 0
+
+
+def blocks() -> list[tuple[str, str]]:
+    """The README's fenced code blocks, in order: (language, text)."""
+    return [(lang, body) for lang, body in _FENCE.findall(README.read_text())]
+
+
+def console(body: str) -> list[Command]:
+    """The commands of a console block, with their shown output and expected status."""
+    commands: list[Command] = []
+    lines = body.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("$ echo $?"):
+            commands[-1].status = int(lines[index + 1])
+        elif line.startswith("$ "):
+            commands.append(Command(line[2:]))
+        elif commands and not (index and lines[index - 1].startswith("$ echo $?")):
+            commands[-1].output.append(line)
+    return commands
+
+
+def settings() -> dict[str, str]:
+    """The postgresql.conf lines the README asks for."""
+    (ini,) = [body for lang, body in blocks() if lang == "ini"]
+    pairs = (line.split("=", 1) for line in ini.splitlines() if "=" in line)
+    return {name.strip(): value.strip().strip("'") for name, value in pairs}
+
+
+def crontab_commands() -> list[list[str]]:
+    """The commands of the README's crontab lines (the five schedule fields dropped)."""
+    (tab,) = [body for lang, body in blocks() if lang == "crontab"]
+    return [shlex.split(line)[5:] for line in tab.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def staging() -> Iterator[tuple[PgServer, dict[str, str]]]:
+    """A private server configured as the README says, and the environment of its commands."""
+    if shutil.which("psql") is None:
+        pytest.skip("psql is not installed")
+    server = PgServer.start(
+        {
+            **settings(),
+            # Where Debian's pg_ctlcluster sends stderr, the logging collector writes here.
+            "logging_collector": "on",
+            "log_directory": "log",
+            "log_filename": "postgresql.log",
+        }
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBRUN_", "PG"))}
+    env.update(
+        PGHOST="127.0.0.1",
+        PGPORT=str(server.port),
+        PGUSER="postgres",
+        PGDATABASE="postgres",
+        # `jobrun` and `python` as a user of this checkout would find them.
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    with server:
+        yield server, env
+
+
+def shell(server: PgServer, env: dict[str, str], line: str) -> subprocess.CompletedProcess[str]:
+    """One README command, as a user would type it, in the example's directory."""
+    line = line.replace(README_LOG, str(server.data_dir / "log" / "postgresql.log"))
+    return subprocess.run(
+        ["bash", "-c", line],
+        cwd=EXAMPLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+
+
+def last_night(env: dict[str, str]) -> list[int]:
+    """The crontab lines, started at the same moment as cron would: their exit statuses."""
+    jobs = [
+        subprocess.Popen(argv, cwd=EXAMPLE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for argv in crontab_commands()
+    ]
+    for job in jobs:
+        job.communicate(timeout=COMMAND_TIMEOUT)
+    return sorted(job.returncode for job in jobs)
+
+
+def is_history_overlapping(command: Command) -> bool:
+    """The step that needs ``history --overlapping``, checked by its own test."""
+    return command.line.startswith("jobrun history") and "--overlapping" in command.line
+
+
+def check_output(command: Command, result: subprocess.CompletedProcess[str]) -> None:
+    """Every job name the README shows is printed, and every line without numbers, verbatim.
+
+    Lines with numbers (pids, times, transaction ids, durations) differ from run to run.
+    """
+    actual = result.stdout.splitlines()
+    shown = "\n".join(command.output)
+    for name in set(re.findall(r"jobrun:[\w.-]+", shown)):
+        assert name in result.stdout, f"{command.line}: {name} not in\n{result.stdout}"
+    for line in command.output:
+        if not re.search(r"\d", line):
+            assert line.rstrip() in [a.rstrip() for a in actual], (
+                f"{command.line}: {line!r} not in\n{result.stdout}"
+            )
+
+
+class TestWalkThrough:
+    """The README's steps, in order, with the outputs and exit statuses it shows."""
+
+    def test_the_walk_through_runs_as_written(self, staging):
+        """Doctor, schema, last night's crontab, deadlocks, overlap before and after the fix."""
+        server, env = staging
+        ran: list[str] = []
+        for lang, body in blocks():
+            if lang == "crontab":
+                assert last_night(env) == [0, 1], "the two jobs did not deadlock"
+                ran.append("crontab")
+                continue
+            if lang != "console":
+                continue
+            for command in console(body):
+                if is_history_overlapping(command):
+                    continue
+                result = shell(server, env, command.line)
+                assert result.returncode == command.status, (
+                    f"{command.line}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+                )
+                check_output(command, result)
+                ran.append(command.line.split(" -")[0])
+        assert ran[:1] == ["jobrun doctor | grep"]
+        assert "jobrun deadlocks /var/log/postgresql/postgresql-16-main.log" in ran
+        assert ran.count("jobrun overlap") == 2  # before and after the fix
+        assert ran.index("crontab") < ran.index(
+            "jobrun deadlocks /var/log/postgresql/postgresql-16-main.log"
+        )
+
+    def test_history_finds_the_nights_both_jobs_ran(self, staging):
+        """Step 3, ``jobrun history A --overlapping B``: skipped while history lacks it."""
+        server, env = staging
+        help_text = shell(server, env, "jobrun history --help").stdout
+        if "--overlapping" not in help_text:
+            pytest.skip("jobrun history has no --overlapping yet")
+        (command,) = [
+            command
+            for lang, body in blocks()
+            if lang == "console"
+            for command in console(body)
+            if is_history_overlapping(command)
+        ]
+        assert last_night(env) == [0, 1]
+        result = shell(server, env, command.line)
+        assert result.returncode == command.status, result.stderr
+        assert "nightly-" in result.stdout, result.stdout
