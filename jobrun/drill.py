@@ -13,13 +13,12 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobrun import db, keys, sql
-from jobrun.exitcodes import Exit, JobrunError, LockStoreUnavailable
+from jobrun import db, keys, procs, sql
+from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, signal_status
 from jobrun.interrupts import Interrupts
 
 if TYPE_CHECKING:
@@ -42,15 +41,6 @@ HOLD_COMMAND = ("sleep", "600")
 APP_NAME = "jobrun:drill"
 #: Output read at most, in one go, from a run that has exited (its child may still write).
 DRAIN_SECONDS = 0.2
-
-
-class Interrupted(JobrunError):
-    """A stop signal (SIGTERM, SIGHUP, SIGINT) arrived during the drill."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 def _stop(signum: int, _previous: object) -> None:
@@ -222,7 +212,7 @@ class _Run:
     def _wait(self, timeout: float) -> int | None:
         """Wait for jobrun's exit status, taking its output in meanwhile (None: time ran out)."""
         deadline = time.monotonic() + timeout
-        pidfd = _pidfd(self.proc.pid)
+        pidfd = procs.pidfd(self.proc.pid)
         try:
             while (status := self.proc.poll()) is None:
                 remaining = deadline - time.monotonic()
@@ -287,72 +277,6 @@ class _Run:
         return f"exit {status}{last}" if status is not None else "no answer"
 
 
-def _pidfd(pid: int) -> int | None:
-    """A descriptor that becomes readable when ``pid`` exits (Linux 5.3+), else None."""
-    opener: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return opener(pid)
-    except OSError:
-        return None
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return state in ("Z", "X")
-
-
-def _group_members(pgid: int) -> int:
-    """How many live processes are in process group ``pgid``."""
-    proc = Path("/proc")
-    if not proc.is_dir():  # no /proc: at least tell "some" from "none"
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return 0
-        return 1
-    count = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            count += 1
-    return count
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL what is left of the job's process group.
-
-    A process group id stays taken while any member lives, so a group with members is
-    still the job's: never a stranger's that reused the number.
-    """
-    if pgid <= 1 or pgid == os.getpgrp() or not _group_members(pgid):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _poll(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
     """Run every step, print the checklist; 0 only if every step passed.
 
@@ -391,7 +315,7 @@ def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
         out(f"  [{mark}] {step.name:<48} {step.seconds:7.2f}s{detail}")
     if drill.interrupts.signum is not None:
         out(f"drill interrupted by {signal.Signals(drill.interrupts.signum).name}")
-        return 128 + drill.interrupts.signum
+        return signal_status(drill.interrupts.signum)
     passed = bool(drill.steps) and all(step.passed for step in drill.steps)
     out("drill passed" if passed else "drill FAILED")
     return 0 if passed else 1
@@ -403,7 +327,7 @@ def _stop_runs(drill: Drill) -> None:
         run.stop(drill.kill_after + 5.0)
     for run in drill.runs:
         if run.child_pid is not None:
-            _kill_group(run.child_pid)
+            procs.kill_group(run.child_pid)
     _cleanup(drill)
 
 
@@ -477,9 +401,9 @@ def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
         if drill.mode == "session" and not _lock_held(conn, drill):
             freed = time.monotonic() - at
     killed = _Killed(at=at, lease=lease, freed=freed)
-    child_died = _poll(lambda: _gone(child), CHILD_DEATH_WAIT)
-    _poll(lambda: not _group_members(child), GROUP_DEATH_WAIT)
-    survivors = _group_members(child)
+    child_died = procs.poll(lambda: procs.process_gone(child), CHILD_DEATH_WAIT)
+    procs.poll(lambda: not procs.group_members(child), GROUP_DEATH_WAIT)
+    survivors = procs.group_members(child)
     if not child_died:
         drill.record(passed=False, detail=f"the child (pid {child}) survived jobrun's death")
     elif survivors:
@@ -491,7 +415,7 @@ def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
     else:
         drill.record(passed=True)
     # They run unguarded now: the lock is free, or will be.
-    _kill_group(child)
+    procs.kill_group(child)
     return killed
 
 
@@ -517,7 +441,7 @@ def _next_run_session(drill: Drill, killed: _Killed) -> None:
     freed_after = killed.freed
     if freed_after is None:
         with drill.connect() as conn:
-            freed = _poll(
+            freed = procs.poll(
                 lambda: not _lock_held(conn, drill), killed.at + NEXT_RUN_WAIT - time.monotonic()
             )
         freed_after = time.monotonic() - killed.at
@@ -599,7 +523,7 @@ def _lock_taken_away(drill: Drill) -> None:
     lost = victim.wait_event("lock_lost", drill.ttl + STEP_TIMEOUT)
     detected = time.monotonic() - t
     status = victim.finish(drill.kill_after + STEP_TIMEOUT)
-    child_gone = _gone(child)
+    child_gone = procs.process_gone(child)
     drill.record(
         passed=lost is not None and status == Exit.LOCK_LOST and child_gone,
         detail=f"{how}; noticed after {detected:.2f}s, exit {status}",
