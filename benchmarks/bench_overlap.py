@@ -1,9 +1,10 @@
 """How often ``jobrun overlap`` reproduces a deadlock: figures per scenario, not a test.
 
 Each scenario is a pair of small psycopg jobs (tests/support/overlap_scenarios.py) with
-0.3 s of work between their statements: five that can deadlock (opposite row order; a
+0.3 s of work between their statements: six that can deadlock (opposite row order; a
 job that works 1.5 s before its first statement; a foreign key's key-share lock against
-a change of the parent; FOR SHARE upgraded to UPDATE; advisory locks in opposite order)
+a change of the parent; FOR SHARE upgraded to UPDATE; advisory locks in opposite order;
+a read before the locks in both jobs)
 and their lock-ordering fixes plus two jobs that share nothing, which must never deadlock.
 Each runs ``python -m jobrun overlap --runs N --json`` against a private server (or
 --dsn), and the table shows the share of attempts that deadlocked and the first one that
