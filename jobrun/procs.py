@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
 
 #: How often poll() looks again.
 POLL_INTERVAL = 0.02
+_PR_SET_PDEATHSIG = 1
 
 
 def _state_and_group(pid: int) -> tuple[str, int] | None:
@@ -114,3 +117,24 @@ def exited_unreaped(pid: int) -> bool | None:
     with contextlib.suppress(ChildProcessError):
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     return True
+
+
+def dies_with_us() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when we die (Linux), else None.
+
+    For a child held with SIGSTOP this matters most: nobody else would ever resume it,
+    and it would keep its transaction and its locks.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def in_child() -> None:
+        # Between fork and exec: async-signal-safe calls only.
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # WARNING: if we died before prctl took effect, no signal will come: check.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return in_child

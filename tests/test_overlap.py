@@ -799,6 +799,38 @@ class TestHold:
             conn.execute("SET lock_timeout = '5s'")
             conn.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
 
+    def test_a_held_job_dies_with_a_killed_jobrun(self, dsn, accounts, tmp_path):
+        """kill -9 of jobrun while A is stopped: A gets SIGKILL too, and its row is free."""
+        marker = tmp_path / "pids"
+        first = shlex.join(
+            ["sh", "-c", f'echo $$ >> "{marker}"; exec "$0" "$@"',
+             sys.executable, "-c", UPDATE_1_THEN_2, dsn, accounts]
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            [*jobrun_cli.JOBRUN, "overlap", "--first", first, "--second", "sleep 600",
+             "--runs", "1", "--timeout", "100s", "--order", "as-given"],
+            env=jobrun_cli.environment(dsn),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            jobrun_cli.wait_for_file(marker)
+            held = int(marker.read_text().split()[0])
+            jobrun_cli.wait_until(lambda: process_state(held) == "T", what="A held", timeout=60)
+            proc.kill()
+            proc.wait()
+            jobrun_cli.wait_until(lambda: jobrun_cli.process_gone(held), what="A's death")
+        finally:
+            proc.kill()
+            proc.wait()
+            for pgid in [int(pid) for pid in marker.read_text().split()]:
+                if not jobrun_cli.group_gone(pgid):
+                    os.killpg(pgid, signal.SIGKILL)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '5s'")
+            conn.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
+
 
 class TestSchedule:
     """Which job goes first, and where it is held, attempt after attempt."""

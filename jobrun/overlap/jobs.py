@@ -21,7 +21,11 @@ OUTPUT_SCAN_BYTES = 1 << 20
 
 
 class Job:
-    """One command of an attempt: a process in a session of its own, its output in a file."""
+    """One command of an attempt: a process in a session of its own, its output in a file.
+
+    The command gets SIGKILL if jobrun dies (even by SIGKILL), so a held one is not left
+    stopped; what it started itself is only reached through the process group, by us.
+    """
 
     def __init__(self, job: str, argv: Sequence[str], env: Mapping[str, str]) -> None:
         self.job = job
@@ -37,6 +41,7 @@ class Job:
                 stdout=self.output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=procs.dies_with_us(),  # noqa: PLW1509 - no thread runs in overlap
             )
         except OSError as exc:
             self.output.close()
