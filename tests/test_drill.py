@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun import db, drill, keys
+from jobrun import background, db, drill, keys
 from jobrun.exitcodes import LockStoreUnavailable
 from support import jobrun_cli
 from support.pgserver import create_database, drop_database
@@ -289,7 +289,7 @@ class TestWhatTheDrillMustCatch:
         """The awaited event after another line in the same chunk is found at once."""
         lines = b'starting\n{"event": "started", "child_pid": 1}\n'
         script = f"import os, time; os.write(2, {lines!r}); time.sleep(600)"
-        run = drill._Run([sys.executable, "-c", script], dict(os.environ))  # noqa: SLF001 - the reader
+        run = background.BackgroundRun([sys.executable, "-c", script], dict(os.environ))
         try:
             started = time.monotonic()
             event = run.wait_event("started", 10)
