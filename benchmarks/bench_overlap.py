@@ -85,8 +85,8 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
         f"--runs {args.runs} --start {args.start} --order {args.order}"
     )
-    print(f"| {'scenario':<56} | can deadlock | deadlocked | first | unclean |")
-    print(f"|{'-' * 58}|--------------|------------|-------|---------|")
+    print(f"| {'scenario':<56} | can deadlock | {'deadlocked':<12} | first | unclean |")
+    print(f"|{'-' * 58}|--------------|{'-' * 14}|-------|---------|")
     totals = {True: [0, 0], False: [0, 0]}
     with database(args.dsn) as dsn:
         for scenario in scenarios:

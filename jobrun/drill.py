@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
 import signal
 import sys
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.rows import class_row
 
 from jobrun import db, keys, procs, sql
 from jobrun.background import BackgroundRun
@@ -20,6 +20,7 @@ from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, signal_sta
 from jobrun.interrupts import Interrupts
 
 if TYPE_CHECKING:
+    import datetime as dt
     from collections.abc import Callable, Iterator
 
 #: How long any one step may take before it counts as failed (beyond the mode's own waits).
@@ -271,14 +272,29 @@ def _kill_jobrun(drill: Drill, first: BackgroundRun) -> _Killed:
     return killed
 
 
+@dataclass(frozen=True)
+class _LeaseRow:
+    """sql.DRILL_LEASE's row: the key's lease (all None without one) and the database's clock."""
+
+    owner: str | None
+    acquired_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    now: dt.datetime
+
+
+def _lease_row(conn: psycopg.Connection[tuple[object, ...]], drill: Drill) -> _LeaseRow | None:
+    cursor = conn.cursor(row_factory=class_row(_LeaseRow))
+    return cursor.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
+
+
 def _lease(
     conn: psycopg.Connection[tuple[object, ...]], drill: Drill
 ) -> tuple[dt.datetime, dt.datetime] | None:
     """(expires_at, the database's clock now) of the key's lease, or None without one."""
-    row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
-    if row is None or not isinstance(row[2], dt.datetime) or not isinstance(row[3], dt.datetime):
+    row = _lease_row(conn, drill)
+    if row is None or row.expires_at is None:
         return None
-    return row[2], row[3]
+    return row.expires_at, row.now
 
 
 def _lock_held(conn: psycopg.Connection[tuple[object, ...]], drill: Drill) -> bool:
@@ -340,9 +356,9 @@ def _next_run_lease(drill: Drill, killed: _Killed) -> None:
     acquired_at = None
     if started is not None:
         with drill.connect() as conn:
-            row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
-        if row is not None and row[0] == started.get("run_id"):
-            acquired_at = row[1] if isinstance(row[1], dt.datetime) else None
+            row = _lease_row(conn, drill)
+        if row is not None and row.owner == started.get("run_id"):
+            acquired_at = row.acquired_at
     run.stop(drill.kill_after + STEP_TIMEOUT)
     if started is None or acquired_at is None:
         why = run.why() if started is None else "its lease row was not found"

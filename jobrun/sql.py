@@ -157,7 +157,7 @@ SELECT EXISTS (
 
 #: The lease of one lock id (owner, start and expiry on the database's clock) and that clock.
 DRILL_LEASE = """
-SELECT l.owner::text, l.acquired_at, l.expires_at, clock_timestamp()
+SELECT l.owner::text AS owner, l.acquired_at, l.expires_at, clock_timestamp() AS now
 FROM (SELECT 1) AS one LEFT JOIN jobrun.leases AS l ON l.lock_id = %s
 """
 
