@@ -890,6 +890,8 @@ SCENARIO_RUNS = {
     "slow start (A works 1.5 s first)": 2,
     "foreign key: child's key-share lock vs parent change": 2,
     "advisory locks in opposite order": 2,
+    # Autocommit: the jobs are never inside a transaction, only holding an advisory lock.
+    "session advisory locks, opposite order, autocommit": 2,
     # Held after their read, neither job holds anything yet: the sweep needs a third attempt.
     "a read before the locks, in both jobs": 4,
     "fixed: slow start, same row order": 2,

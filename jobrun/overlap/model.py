@@ -90,7 +90,8 @@ class Session:
     query: str
     blocked_by: tuple[int, ...] = ()
     lock: Lock | None = None
-    #: Inside a transaction and holding a write, row, advisory or table lock beyond a read.
+    #: Holding a write, row, advisory or table lock beyond a read: inside a transaction, or
+    #: a session-level advisory lock outside one.
     holds_lock: bool = False
     #: Waiting for a lock (any holder, also one outside the two jobs).
     waiting: bool = False
@@ -118,7 +119,7 @@ class Session:
             query=query,
             blocked_by=tuple(row.blocked_by or ()),
             lock=lock,
-            holds_lock=row.in_transaction and row.holds_lock,
+            holds_lock=row.holds_lock,
             waiting=row.waiting,
             query_start=row.query_start,
         )

@@ -96,8 +96,10 @@ class Watch:
                 self._edges.add(wait.edge())
                 self.attempt.waits.append(wait)
         for session in sessions:
+            # Outside a transaction only a session-level advisory lock outlives a statement:
+            # a job in autocommit that takes one is as much "in the middle" as a transaction.
             if (
-                session.in_transaction
+                (session.in_transaction or session.holds_lock)
                 and session.query_start is not None
                 and not _CONTROL.match(session.query)
             ):
@@ -109,7 +111,7 @@ class Watch:
         return sessions
 
     def statements(self, job: str) -> int:
-        """Statements of ``job`` seen inside a transaction so far."""
+        """Statements of ``job`` seen inside a transaction (or holding a lock) so far."""
         return len(self._statements[job])
 
     def end_sessions(self) -> None:

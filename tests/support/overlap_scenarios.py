@@ -13,16 +13,17 @@ GAP = 0.3
 #: Seconds of work a slow job does before its first statement (imports, a file, an API).
 SLOW_START = 1.5
 
-#: The job: ``python -c JOB DSN SCHEMA SLOW STATEMENT...``. It sleeps SLOW seconds, then runs
-#: the statements in one transaction with GAP seconds between them, and commits. ``{s}`` in
+#: The job: ``python -c JOB DSN SCHEMA SLOW MODE STATEMENT...``. It sleeps SLOW seconds, then
+#: runs the statements with GAP seconds between them: in one transaction that it commits,
+#: or each on its own with MODE ``autocommit``. ``{s}`` in
 #: a statement is the scenario's schema. A deadlock error ends it with exit 1 and the error.
 JOB = f"""
 import sys, time
 import psycopg
 
-dsn, schema, slow, *statements = sys.argv[1:]
+dsn, schema, slow, autocommit, *statements = sys.argv[1:]
 time.sleep(float(slow))
-with psycopg.connect(dsn) as conn:
+with psycopg.connect(dsn, autocommit=autocommit == "autocommit") as conn:
     for i, statement in enumerate(statements):
         if i:
             time.sleep({GAP})
@@ -65,13 +66,17 @@ class Scenario:
     deadlocks: bool
     first_slow: float = 0.0
     second_slow: float = 0.0
+    #: Each statement on its own (no transaction around them), as jobs that take
+    #: session-level advisory locks often do.
+    autocommit: bool = False
 
     def command(self, dsn: str, schema: str, job: str) -> str:
         """The ``--first`` / ``--second`` text of ``job`` (A or B)."""
         statements, slow = (
             (self.first, self.first_slow) if job == "A" else (self.second, self.second_slow)
         )
-        return shlex.join([sys.executable, "-c", JOB, dsn, schema, str(slow), *statements])
+        mode = "autocommit" if self.autocommit else "transaction"
+        return shlex.join([sys.executable, "-c", JOB, dsn, schema, str(slow), mode, *statements])
 
 
 SCENARIOS = (
@@ -102,6 +107,13 @@ SCENARIOS = (
         (_advisory(1), _advisory(2)),
         (_advisory(2), _advisory(1)),
         deadlocks=True,
+    ),
+    Scenario(
+        "session advisory locks, opposite order, autocommit",
+        ("SELECT pg_advisory_lock(1)", "SELECT pg_advisory_lock(2)"),
+        ("SELECT pg_advisory_lock(2)", "SELECT pg_advisory_lock(1)"),
+        deadlocks=True,
+        autocommit=True,
     ),
     Scenario(
         "a read before the locks, in both jobs",
@@ -136,6 +148,13 @@ SCENARIOS = (
         (_advisory(1), _advisory(2)),
         (_advisory(1), _advisory(2)),
         deadlocks=False,
+    ),
+    Scenario(
+        "fixed: session advisory locks in one order",
+        ("SELECT pg_advisory_lock(1)", "SELECT pg_advisory_lock(2)"),
+        ("SELECT pg_advisory_lock(1)", "SELECT pg_advisory_lock(2)"),
+        deadlocks=False,
+        autocommit=True,
     ),
     Scenario("nothing shared", (_update(1), _update(2)), (_update(3), _update(4)), deadlocks=False),
 )
