@@ -265,6 +265,8 @@ class TestDeadlock:
         assert report["deadlocks"] == 3, result.stdout
         assert [a["outcome"] for a in report["attempts"]] == ["deadlock"] * 3
         assert all(a["second_started"] == "held" for a in report["attempts"])
+        # The held job was resumed once the other one blocked on its row, and not before.
+        assert all(a["resumed"] == "second_waits" for a in report["attempts"])
         cycles = report["cycles"]
         # Every attempt saw a cycle. Usually all three look alike and group into one; on a
         # loaded machine a snapshot can catch a side in a slightly different state, so the
