@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.rows import class_row
 
-from jobrun import db, keys, sql
-from jobrun.exitcodes import Exit, JobrunError, LockStoreUnavailable
+from jobrun import db, keys, procs, sql
+from jobrun.background import BackgroundRun
+from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, signal_status
 from jobrun.interrupts import Interrupts
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Sequence
+    import datetime as dt
+    from collections.abc import Callable, Iterator
 
 #: How long any one step may take before it counts as failed (beyond the mode's own waits).
 STEP_TIMEOUT = 30.0
@@ -40,17 +38,6 @@ GROUP_DEATH_WAIT = 1.0
 #: The command of the drill's own runs that must hold the lock for a while.
 HOLD_COMMAND = ("sleep", "600")
 APP_NAME = "jobrun:drill"
-#: Output read at most, in one go, from a run that has exited (its child may still write).
-DRAIN_SECONDS = 0.2
-
-
-class Interrupted(JobrunError):
-    """A stop signal (SIGTERM, SIGHUP, SIGINT) arrived during the drill."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
-        self.signum = signum
-        self.exit_code = 128 + signum
 
 
 def _stop(signum: int, _previous: object) -> None:
@@ -81,7 +68,7 @@ class Drill:
     jobrun: tuple[str, ...] = (sys.executable, "-m", "jobrun")
     steps: list[Step] = field(default_factory=list)
     #: Every jobrun the drill started: whatever still runs is stopped at the end.
-    runs: list[_Run] = field(default_factory=list)
+    runs: list[BackgroundRun] = field(default_factory=list)
     interrupts: Interrupts = field(default_factory=lambda: Interrupts(_stop))
     #: The step under way (name, start): an exception or a signal fails it.
     current: tuple[str, float] | None = None
@@ -106,14 +93,14 @@ class Drill:
             env["JOBRUN_DSN"] = self.target.dsn
         return env
 
-    def start(self, *extra: str) -> _Run:
+    def start(self, *extra: str) -> BackgroundRun:
         """A jobrun of this drill in the background, tracked (a signal cannot orphan it)."""
         with self.interrupts.held():
-            run = _Run(self.args(*extra), self.env())
+            run = BackgroundRun(self.args(*extra), self.env())
             self.runs.append(run)
         return run
 
-    def complete(self, *extra: str, timeout: float) -> tuple[int | None, _Run]:
+    def complete(self, *extra: str, timeout: float) -> tuple[int | None, BackgroundRun]:
         """A jobrun of this drill to its end (killed after ``timeout``): its status."""
         run = self.start(*extra)
         return run.finish(timeout), run
@@ -141,216 +128,6 @@ class Drill:
             yield conn
         finally:
             conn.close()
-
-
-class _Run:
-    """A background jobrun whose event lines we can wait for.
-
-    WARNING: stderr is read straight from the pipe (os.read, lines split here): a buffered
-    reader would keep lines that select() no longer reports, and the drill would wait them
-    out.
-    """
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        stream = self.proc.stderr
-        if stream is None:  # pragma: no cover - created with stderr=PIPE
-            raise RuntimeError("no stderr pipe")
-        self._stream = stream
-        self._fd = stream.fileno()
-        self._open = True
-        self._partial = b""
-        self.events: list[dict[str, Any]] = []
-        #: jobrun's own lines that are not events (a usage error), newest last. The child's
-        #: output (same pipe) is never kept: it could hold anything, a password included.
-        self.other: list[str] = []
-        #: The child's pid (and process group) once jobrun said it started it.
-        self.child_pid: int | None = None
-
-    def _read(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for output and take it in; whether there was any."""
-        if not self._open:
-            return False
-        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout))
-        if not ready:
-            return False
-        chunk = os.read(self._fd, 65536)
-        if not chunk:
-            self._open = False
-            chunk = b"\n"  # the last line, even without its newline
-        *lines, self._partial = (self._partial + chunk).split(b"\n")
-        for line in lines:
-            self._take(line.decode("utf-8", "replace"))
-        return True
-
-    def _take(self, line: str) -> None:
-        if not line.strip():
-            return
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            event = None
-        if not isinstance(event, dict):
-            if line.startswith("jobrun: "):
-                self.other = [*self.other[-9:], line.strip()]
-            return
-        self.events.append(event)
-        if event.get("event") == "started" and self.child_pid is None:
-            with contextlib.suppress(TypeError, ValueError):
-                self.child_pid = int(event["child_pid"])
-
-    def wait_event(self, name: str, timeout: float) -> dict[str, Any] | None:
-        """Read event lines until ``name`` shows up, the output ends, or time runs out."""
-        deadline = time.monotonic() + timeout
-        checked = 0
-        while True:
-            for event in self.events[checked:]:
-                if event.get("event") == name:
-                    return event
-            checked = len(self.events)
-            remaining = deadline - time.monotonic()
-            if not self._open or remaining <= 0:
-                return None
-            self._read(remaining)
-
-    def _wait(self, timeout: float) -> int | None:
-        """Wait for jobrun's exit status, taking its output in meanwhile (None: time ran out)."""
-        deadline = time.monotonic() + timeout
-        pidfd = _pidfd(self.proc.pid)
-        try:
-            while (status := self.proc.poll()) is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                if not self._open:
-                    if pidfd is None:
-                        with contextlib.suppress(subprocess.TimeoutExpired):
-                            return self.proc.wait(timeout=remaining)
-                        return None
-                    select.select([pidfd], [], [], remaining)
-                elif pidfd is None:  # no pidfd (not Linux): look again now and then
-                    self._read(min(remaining, 0.05))
-                else:
-                    ready, _, _ = select.select([pidfd, self._fd], [], [], remaining)
-                    if self._fd in ready:
-                        self._read(0)
-            return status
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-
-    def finish(self, timeout: float) -> int | None:
-        """Wait for the exit status (killing jobrun if it overruns), then read what is left."""
-        status = self._wait(timeout)
-        if status is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._close()
-        return status
-
-    def stop(self, grace: float) -> None:
-        """SIGTERM (jobrun passes it to the child's group and releases the lock), then SIGKILL."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            if self._wait(grace) is None:
-                self.proc.kill()
-                self.proc.wait()
-        self._close()
-
-    def _close(self) -> None:
-        # WARNING: the child may still hold our pipe open: read only what is there.
-        deadline = time.monotonic() + DRAIN_SECONDS
-        while self._open and time.monotonic() < deadline and self._read(0):
-            pass
-        self._open = False
-        self._stream.close()
-
-    def why(self) -> str:
-        """Why a run did not do what it should: its last telling event or line."""
-        for event in reversed(self.events):
-            if event.get("event") in (
-                "skipped",
-                "lockstore_unavailable",
-                "exec_failed",
-                "lock_lost",
-            ):
-                return f"{event['event']}: {event.get('error') or event.get('holder_pid') or ''}"
-        status = self.proc.returncode
-        last = f": {self.other[-1]}" if self.other else ""
-        return f"exit {status}{last}" if status is not None else "no answer"
-
-
-def _pidfd(pid: int) -> int | None:
-    """A descriptor that becomes readable when ``pid`` exits (Linux 5.3+), else None."""
-    opener: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return opener(pid)
-    except OSError:
-        return None
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return state in ("Z", "X")
-
-
-def _group_members(pgid: int) -> int:
-    """How many live processes are in process group ``pgid``."""
-    proc = Path("/proc")
-    if not proc.is_dir():  # no /proc: at least tell "some" from "none"
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return 0
-        return 1
-    count = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            count += 1
-    return count
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL what is left of the job's process group.
-
-    A process group id stays taken while any member lives, so a group with members is
-    still the job's: never a stranger's that reused the number.
-    """
-    if pgid <= 1 or pgid == os.getpgrp() or not _group_members(pgid):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _poll(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
@@ -391,7 +168,7 @@ def run_drill(drill: Drill, out: Callable[[str], None]) -> int:
         out(f"  [{mark}] {step.name:<48} {step.seconds:7.2f}s{detail}")
     if drill.interrupts.signum is not None:
         out(f"drill interrupted by {signal.Signals(drill.interrupts.signum).name}")
-        return 128 + drill.interrupts.signum
+        return signal_status(drill.interrupts.signum)
     passed = bool(drill.steps) and all(step.passed for step in drill.steps)
     out("drill passed" if passed else "drill FAILED")
     return 0 if passed else 1
@@ -403,7 +180,7 @@ def _stop_runs(drill: Drill) -> None:
         run.stop(drill.kill_after + 5.0)
     for run in drill.runs:
         if run.child_pid is not None:
-            _kill_group(run.child_pid)
+            procs.kill_group(run.child_pid)
     _cleanup(drill)
 
 
@@ -420,7 +197,7 @@ def _steps(drill: Drill) -> None:
     _lock_taken_away(drill)
 
 
-def _first_run(drill: Drill) -> _Run | None:
+def _first_run(drill: Drill) -> BackgroundRun | None:
     """1. A guarded run starts."""
     drill.begin("guarded run started")
     first = _guarded_run(drill)
@@ -429,7 +206,7 @@ def _first_run(drill: Drill) -> _Run | None:
     return first
 
 
-def _guarded_run(drill: Drill) -> _Run | None:
+def _guarded_run(drill: Drill) -> BackgroundRun | None:
     """A run of the drill's command whose child started; None (step failed) otherwise."""
     run = drill.start("--", *drill.command)
     started = run.wait_event("started", STEP_TIMEOUT)
@@ -459,7 +236,7 @@ class _Killed:
     freed: float | None = None
 
 
-def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
+def _kill_jobrun(drill: Drill, first: BackgroundRun) -> _Killed:
     """3. kill -9 of jobrun: the child and everything in its process group must die."""
     drill.begin("kill -9 of jobrun: the child died")
     child = first.child_pid
@@ -477,9 +254,9 @@ def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
         if drill.mode == "session" and not _lock_held(conn, drill):
             freed = time.monotonic() - at
     killed = _Killed(at=at, lease=lease, freed=freed)
-    child_died = _poll(lambda: _gone(child), CHILD_DEATH_WAIT)
-    _poll(lambda: not _group_members(child), GROUP_DEATH_WAIT)
-    survivors = _group_members(child)
+    child_died = procs.poll(lambda: procs.process_gone(child), CHILD_DEATH_WAIT)
+    procs.poll(lambda: not procs.group_members(child), GROUP_DEATH_WAIT)
+    survivors = procs.group_members(child)
     if not child_died:
         drill.record(passed=False, detail=f"the child (pid {child}) survived jobrun's death")
     elif survivors:
@@ -491,18 +268,33 @@ def _kill_jobrun(drill: Drill, first: _Run) -> _Killed:
     else:
         drill.record(passed=True)
     # They run unguarded now: the lock is free, or will be.
-    _kill_group(child)
+    procs.kill_group(child)
     return killed
+
+
+@dataclass(frozen=True)
+class _LeaseRow:
+    """sql.DRILL_LEASE's row: the key's lease (all None without one) and the database's clock."""
+
+    owner: str | None
+    acquired_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    now: dt.datetime
+
+
+def _lease_row(conn: psycopg.Connection[tuple[object, ...]], drill: Drill) -> _LeaseRow | None:
+    cursor = conn.cursor(row_factory=class_row(_LeaseRow))
+    return cursor.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
 
 
 def _lease(
     conn: psycopg.Connection[tuple[object, ...]], drill: Drill
 ) -> tuple[dt.datetime, dt.datetime] | None:
     """(expires_at, the database's clock now) of the key's lease, or None without one."""
-    row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
-    if row is None or not isinstance(row[2], dt.datetime) or not isinstance(row[3], dt.datetime):
+    row = _lease_row(conn, drill)
+    if row is None or row.expires_at is None:
         return None
-    return row[2], row[3]
+    return row.expires_at, row.now
 
 
 def _lock_held(conn: psycopg.Connection[tuple[object, ...]], drill: Drill) -> bool:
@@ -517,7 +309,7 @@ def _next_run_session(drill: Drill, killed: _Killed) -> None:
     freed_after = killed.freed
     if freed_after is None:
         with drill.connect() as conn:
-            freed = _poll(
+            freed = procs.poll(
                 lambda: not _lock_held(conn, drill), killed.at + NEXT_RUN_WAIT - time.monotonic()
             )
         freed_after = time.monotonic() - killed.at
@@ -564,9 +356,9 @@ def _next_run_lease(drill: Drill, killed: _Killed) -> None:
     acquired_at = None
     if started is not None:
         with drill.connect() as conn:
-            row = conn.execute(sql.DRILL_LEASE, (drill.key.lock_id,)).fetchone()
-        if row is not None and row[0] == started.get("run_id"):
-            acquired_at = row[1] if isinstance(row[1], dt.datetime) else None
+            row = _lease_row(conn, drill)
+        if row is not None and row.owner == started.get("run_id"):
+            acquired_at = row.acquired_at
     run.stop(drill.kill_after + STEP_TIMEOUT)
     if started is None or acquired_at is None:
         why = run.why() if started is None else "its lease row was not found"
@@ -599,7 +391,7 @@ def _lock_taken_away(drill: Drill) -> None:
     lost = victim.wait_event("lock_lost", drill.ttl + STEP_TIMEOUT)
     detected = time.monotonic() - t
     status = victim.finish(drill.kill_after + STEP_TIMEOUT)
-    child_gone = _gone(child)
+    child_gone = procs.process_gone(child)
     drill.record(
         passed=lost is not None and status == Exit.LOCK_LOST and child_gone,
         detail=f"{how}; noticed after {detected:.2f}s, exit {status}",

@@ -11,12 +11,22 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from types import FrameType
 
-#: The signals that stop a drill or an overlap run.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+#: The signals that stop a drill or an overlap run: every signal whose default action would
+#: end jobrun on the spot, leaving what it started running (its commands run in process
+#: groups of their own, so nothing else stops them).
+STOP_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+)
 
 
 class Interrupts:
-    """SIGTERM, SIGHUP and SIGINT handed to ``stop(signum, previous_handler)``, which raises.
+    """STOP_SIGNALS handed to ``stop(signum, previous_handler)``, which raises.
 
     While ``held()``, a signal is only noted and raised when the block is done: a process
     being started can then not be orphaned, nor a cleanup cut short. Only the first signal

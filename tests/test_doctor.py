@@ -14,8 +14,8 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
 from jobrun import history
+from jobrun.cli.ops import register
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.ops_cli import register
 from support import jobrun_cli
 from support.pgserver import create_database, drop_database
 
@@ -369,7 +369,7 @@ class TestPooler:
 
 
 class TestWiredThroughCli:
-    """``python -m jobrun doctor``: needs ops_cli.register wired into cli.py."""
+    """``python -m jobrun doctor``: the subcommands wired into the group."""
 
     def test_doctor_exits_0_through_the_real_cli(self, dsn):
         """A healthy database: exit 0, one line per check."""

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun import db, drill, keys
+from jobrun import background, db, drill, keys
 from jobrun.exitcodes import LockStoreUnavailable
 from support import jobrun_cli
 from support.pgserver import create_database, drop_database
@@ -289,7 +289,7 @@ class TestWhatTheDrillMustCatch:
         """The awaited event after another line in the same chunk is found at once."""
         lines = b'starting\n{"event": "started", "child_pid": 1}\n'
         script = f"import os, time; os.write(2, {lines!r}); time.sleep(600)"
-        run = drill._Run([sys.executable, "-c", script], dict(os.environ))  # noqa: SLF001 - the reader
+        run = background.BackgroundRun([sys.executable, "-c", script], dict(os.environ))
         try:
             started = time.monotonic()
             event = run.wait_event("started", 10)
@@ -324,9 +324,20 @@ class TestWhatTheDrillMustCatch:
 class TestStoppingTheDrill:
     """A drill that is stopped, or whose step fails with an error, leaves nothing behind."""
 
-    @pytest.mark.parametrize("mode", ["session", "lease"])
-    def test_sigterm_mid_run_stops_the_runs_and_frees_the_key(self, dsn, key, tmp_path, mode):
-        """SIGTERM while the guarded run holds the lock: checklist, 143, no process, key free."""
+    @pytest.mark.parametrize(
+        ("mode", "signum"),
+        [
+            ("session", signal.SIGTERM),
+            ("lease", signal.SIGTERM),
+            ("session", signal.SIGQUIT),
+            ("session", signal.SIGUSR1),
+        ],
+        ids=["session-TERM", "lease-TERM", "session-QUIT", "session-USR1"],
+    )
+    def test_a_signal_mid_run_stops_the_runs_and_frees_the_key(
+        self, dsn, key, tmp_path, mode, signum
+    ):
+        """A stop signal while the guarded run holds the lock: checklist, 128+N, key free."""
         marker = tmp_path / "pids"
         command = ["sh", "-c", f'echo $$ $PPID >> "{marker}"; exec sleep 600']
         args = ("--key", key, "--mode", mode, "--ttl", "6s", "--kill-after", "1s")
@@ -334,15 +345,16 @@ class TestStoppingTheDrill:
         try:
             jobrun_cli.wait_for_file(marker)
             child, jobrun_pid = marked_pids(marker)[:2]
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signum)
             stdout, stderr = proc.communicate(timeout=60)
         finally:
             proc.kill()
             proc.communicate()
             kill_groups(marked_pids(marker)[::2])
-        assert proc.returncode == 143, stdout + stderr
-        assert "  interrupted by SIGTERM" in stdout  # the step it stopped: [FAIL]
-        assert stdout.rstrip().endswith("drill interrupted by SIGTERM")
+        name = signal.Signals(signum).name
+        assert proc.returncode == 128 + signum, stdout + stderr
+        assert f"  interrupted by {name}" in stdout  # the step it stopped: [FAIL]
+        assert stdout.rstrip().endswith(f"drill interrupted by {name}")
         assert stderr == ""
         assert jobrun_cli.process_gone(jobrun_pid)
         assert jobrun_cli.group_gone(child)

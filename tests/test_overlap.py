@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -18,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun import overlap
+from jobrun import db, overlap
+from jobrun.cli.overlap import register
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
-from jobrun.overlap_cli import register
-from support import jobrun_cli
+from support import jobrun_cli, overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -107,15 +108,67 @@ with psycopg.connect(sys.argv[1]) as conn:
     conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 1")
 """
 
+#: A: writes its pid, updates row 1 and waits (bounded) for B's file; then row 2, COMMIT.
+A_UPDATES_AND_WAITS = """
+import os, sys, time
+from pathlib import Path
+import psycopg
+
+dsn, table, pid_file, b_file = sys.argv[1:]
+Path(pid_file).write_text(str(os.getpid()))
+with psycopg.connect(dsn) as conn:
+    conn.execute(f"UPDATE {table} SET balance = balance + 1 WHERE id = 1")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not os.path.exists(b_file):
+        time.sleep(0.01)
+    conn.execute(f"UPDATE {table} SET balance = balance + 1 WHERE id = 2")
+"""
+
+#: B: writes the state of A's process right now (T: stopped) to its file.
+B_SEES_A = """
+import sys
+from pathlib import Path
+
+pid = int(Path(sys.argv[1]).read_text())
+state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+Path(sys.argv[2]).write_text(state)
+"""
+
+#: A: a short idle_in_transaction_session_timeout of its own, row 1, 0.3 s of work, row 2.
+A_WITH_IDLE_TIMEOUT = """
+import sys, time
+import psycopg
+
+with psycopg.connect(sys.argv[1]) as conn:
+    conn.execute("SET idle_in_transaction_session_timeout = '500ms'")
+    conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 1")
+    time.sleep(0.3)
+    conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 2")
+"""
+
+#: Row 1, 0.3 s of work, row 2: a job A that is held at its first statement.
+UPDATE_1_THEN_2 = """
+import sys, time
+import psycopg
+
+with psycopg.connect(sys.argv[1]) as conn:
+    conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 1")
+    time.sleep(0.3)
+    conn.execute(f"UPDATE {sys.argv[2]} SET balance = balance + 1 WHERE id = 2")
+"""
+
 #: Every field of ``jobrun overlap --json`` (docs/overlap.md).
 REPORT_FIELDS = {
     "database",
     "first",
     "second",
     "runs",
+    "start",
     "attempts_run",
     "deadlocks",
+    "first_deadlock",
     "cycles_without_deadlock_error",
+    "server_timeouts",
     "timeouts",
     "failed",
     "clean",
@@ -128,14 +181,20 @@ REPORT_FIELDS = {
 ATTEMPT_FIELDS = {
     "attempt",
     "outcome",
+    "first",
+    "hold_at",
+    "second_started",
+    "held_seconds",
+    "resumed",
     "timed_out",
     "duration",
-    "b_started",
     "exit_codes",
     "pids",
+    "statements",
     "cycle",
     "waits",
     "deadlock_lines",
+    "server_timeout_lines",
     "output_tail",
     "notes",
 }
@@ -205,7 +264,9 @@ class TestDeadlock:
         assert exit_status(result) == 1
         assert report["deadlocks"] == 3, result.stdout
         assert [a["outcome"] for a in report["attempts"]] == ["deadlock"] * 3
-        assert all(a["b_started"] == "inside_transaction" for a in report["attempts"])
+        assert all(a["second_started"] == "held" for a in report["attempts"])
+        # The held job was resumed once the other one blocked on its row, and not before.
+        assert all(a["resumed"] == "second_waits" for a in report["attempts"])
         cycles = report["cycles"]
         # Every attempt saw a cycle. Usually all three look alike and group into one; on a
         # loaded machine a snapshot can catch a side in a slightly different state, so the
@@ -286,33 +347,38 @@ class TestFixed:
 class TestStartingB:
     """When B starts."""
 
-    def test_b_starts_while_a_is_inside_a_transaction(self, overlap_cli, dsn, tmp_path):
-        """B finds A's session inside a transaction (B exits 1 otherwise)."""
+    def test_inside_starts_b_while_a_is_inside_a_transaction(self, overlap_cli, dsn, tmp_path):
+        """--start inside: B finds A's session inside a transaction (B exits 1 otherwise)."""
         done = tmp_path / "b-done"
         first = shlex.join([sys.executable, "-c", A_WAITS_FOR_B, dsn, str(done)])
         second = shlex.join([sys.executable, "-c", B_CHECKS_A, dsn, str(done)])
         result = overlap_cli(
-            "--first", first, "--second", second, "--runs", "1", "--dsn", dsn, "--json"
-        )
+            "--first", first, "--second", second, "--runs", "1", "--dsn", dsn, "--json",
+            "--start", "inside",
+        )  # fmt: skip
         (attempt,) = report_json(result)["attempts"]
-        assert attempt["b_started"] == "inside_transaction"
+        assert attempt["second_started"] == "inside_transaction"
+        assert attempt["held_seconds"] is None
         assert attempt["outcome"] == "clean", attempt
 
     def test_b_starts_anyway_when_a_ends_without_a_transaction(self, overlap_cli, dsn):
         """A never touches the database: B still runs, and the report says why."""
         result = overlap_cli("--first", "true", "--second", "true", "--dsn", dsn, "--runs", "2")
         assert exit_status(result) == 0, result.output
-        assert "attempts 1-2: A finished before it was seen inside a transaction" in result.stdout
+        assert "attempt 1: A finished before its statement 1 was seen inside a transaction" in (
+            result.stdout
+        )
+        assert "attempt 2: B finished before its statement 1" in result.stdout
         assert "no database session of A was seen" in result.stdout
 
     def test_start_after_a_delay(self, overlap_cli, dsn):
-        """--start-after 50ms starts B after the delay, whatever A does."""
+        """--start 50ms starts B after the delay, whatever A does."""
         result = overlap_cli(
             "--first", "sleep 5", "--second", "true", "--dsn", dsn, "--runs", "1",
-            "--start-after", "50ms", "--timeout", "1s", "--json",
+            "--start", "50ms", "--timeout", "1s", "--json",
         )  # fmt: skip
         (attempt,) = report_json(result)["attempts"]
-        assert attempt["b_started"] == "after_delay"
+        assert attempt["second_started"] == "after_delay"
         assert attempt["exit_codes"]["B"] == 0
 
 
@@ -324,7 +390,7 @@ class TestTimeout:
         stuck = "sh -c 'sleep 60 & exec sleep 60'"
         result = overlap_cli(
             "--first", stuck, "--second", stuck, "--dsn", dsn, "--runs", "1",
-            "--start-after", "0", "--timeout", "1s", "--json",
+            "--start", "together", "--timeout", "1s", "--json",
         )  # fmt: skip
         report = report_json(result)
         (attempt,) = report["attempts"]
@@ -345,7 +411,7 @@ class TestTimeout:
         )  # fmt: skip
         (attempt,) = report_json(result)["attempts"]
         assert attempt["outcome"] == "timeout"
-        assert attempt["b_started"] == "not_started"
+        assert attempt["second_started"] == "not_started"
         assert attempt["exit_codes"] == {"A": 137, "B": None}
         jobrun_cli.wait_until(lambda: jobrun_cli.group_gone(attempt["pids"]["A"]), timeout=5)
 
@@ -438,8 +504,9 @@ class TestBadInput:
             ["--first", "  ", "--second", "true"],
             ["--first", "true", "--second", "true", "--timeout", "soon"],
             ["--first", "true", "--second", "true", "--timeout", "0"],
-            ["--first", "true", "--second", "true", "--start-after", "later"],
-            ["--first", "true", "--second", "true", "--start-after", "2m", "--timeout", "1m"],
+            ["--first", "true", "--second", "true", "--start", "later"],
+            ["--first", "true", "--second", "true", "--start", "2m", "--timeout", "1m"],
+            ["--first", "true", "--second", "true", "--order", "random"],
         ],
         ids=[
             "missing-second",
@@ -449,8 +516,9 @@ class TestBadInput:
             "empty-command",
             "bad-timeout",
             "zero-timeout",
-            "bad-start-after",
-            "start-after-beyond-timeout",
+            "bad-start",
+            "start-delay-beyond-timeout",
+            "bad-order",
         ],
     )
     def test_usage_error(self, overlap_cli, args):
@@ -505,7 +573,8 @@ class TestThroughCli:
         """--help describes the command and exits 0."""
         result = jobrun_cli.run("overlap", "--help", dsn=None)
         assert result.returncode == 0, result.stderr
-        assert "--start-after" in result.stdout
+        assert "--start" in result.stdout
+        assert "--order" in result.stdout
 
     def test_missing_second_is_exit_64_on_one_line(self, dsn):
         """One error line on stderr, nothing started."""
@@ -542,7 +611,9 @@ class TestStopped:
     """``jobrun overlap`` itself is stopped mid-attempt."""
 
     @pytest.mark.parametrize(
-        "signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"]
+        "signum",
+        [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1],
+        ids=["TERM", "HUP", "INT", "QUIT", "USR1"],
     )
     def test_signal_kills_both_commands_and_ends_their_sessions(
         self, dsn, accounts, tmp_path, signum
@@ -621,3 +692,239 @@ class TestSecrets:
             f'jobrun: error: {option} "psql postgresql://postgres:***@127.0.0.1/x \'": '
             "No closing quotation"
         )
+
+
+def python_job(script: str, *args: str) -> str:
+    """The --first/--second text of ``python -c script args...``."""
+    return shlex.join([sys.executable, "-c", script, *args])
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` (T: stopped), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+class TestHold:
+    """--start hold (the default): the first job is stopped at its transaction meanwhile."""
+
+    def test_b_runs_while_a_is_stopped_inside_its_transaction(
+        self, overlap_cli, dsn, accounts, tmp_path
+    ):
+        """B sees A's process stopped (T); A is resumed when B exits, and finishes."""
+        pid_file, b_file = tmp_path / "a-pid", tmp_path / "b-saw"
+        result = overlap_cli(
+            "--first", python_job(A_UPDATES_AND_WAITS, dsn, accounts, str(pid_file), str(b_file)),
+            "--second", python_job(B_SEES_A, str(pid_file), str(b_file)),
+            "--runs", "1", "--dsn", dsn, "--timeout", "60s", "--json",
+        )  # fmt: skip
+        (attempt,) = report_json(result)["attempts"]
+        assert b_file.read_text() == "T", attempt
+        assert attempt["first"] == "A"
+        assert attempt["hold_at"] == 1
+        assert attempt["second_started"] == "held"
+        assert attempt["resumed"] == "second_exited"
+        assert attempt["outcome"] == "clean", attempt
+        assert attempt["exit_codes"] == {"A": 0, "B": 0}
+
+    def test_a_session_ended_by_the_server_while_held_is_no_clean_attempt(
+        self, overlap_cli, dsn, accounts
+    ):
+        """A's own idle_in_transaction_session_timeout ends it while held: server_timeout."""
+        result = overlap_cli(
+            "--first", python_job(A_WITH_IDLE_TIMEOUT, dsn, accounts),
+            "--second", "sleep 5", "--order", "as-given",
+            "--runs", "1", "--dsn", dsn, "--timeout", "60s", "--json",
+        )  # fmt: skip
+        report = report_json(result)
+        (attempt,) = report["attempts"]
+        assert attempt["resumed"] == "session_ended", attempt
+        assert attempt["outcome"] == "server_timeout", attempt
+        assert attempt["exit_codes"]["A"] != 0
+        assert report["server_timeouts"] == 1
+        assert report["clean"] == 0
+        assert any("ended while it was held" in note for note in report["notes"])
+
+    def test_hold_ends_before_the_timeout(self, overlap_cli, dsn, accounts):
+        """B never waits nor exits: A is resumed at half the attempt's time and finishes."""
+        result = overlap_cli(
+            "--first", python_job(UPDATE_1_THEN_2, dsn, accounts),
+            "--second", "sleep 60", "--order", "as-given",
+            "--runs", "1", "--dsn", dsn, "--timeout", "4s", "--json",
+        )  # fmt: skip
+        (attempt,) = report_json(result)["attempts"]
+        assert attempt["resumed"] == "hold_limit", attempt
+        assert attempt["held_seconds"] < 4
+        assert attempt["exit_codes"] == {"A": 0, "B": 137}
+        assert attempt["outcome"] == "timeout"
+        assert process_state(attempt["pids"]["A"]) is None
+
+    def test_signal_while_a_job_is_held(self, dsn, accounts, tmp_path):
+        """SIGUSR1 while A is stopped: 138, one line, nothing of either job left running."""
+        marker = tmp_path / "pids"
+        first = shlex.join(
+            ["sh", "-c", f'echo $$ >> "{marker}"; exec "$0" "$@"',
+             sys.executable, "-c", UPDATE_1_THEN_2, dsn, accounts]
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            [*jobrun_cli.JOBRUN, "overlap", "--first", first, "--second", "sleep 600",
+             "--runs", "1", "--timeout", "100s", "--order", "as-given"],
+            env=jobrun_cli.environment(dsn),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            jobrun_cli.wait_for_file(marker)
+            held = int(marker.read_text().split()[0])
+            jobrun_cli.wait_until(lambda: process_state(held) == "T", what="A held", timeout=60)
+            proc.send_signal(signal.SIGUSR1)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.communicate()
+            for pgid in [int(pid) for pid in marker.read_text().split()]:
+                if not jobrun_cli.group_gone(pgid):
+                    os.killpg(pgid, signal.SIGKILL)
+        assert proc.returncode == 128 + signal.SIGUSR1, stdout + stderr
+        assert stderr.strip() == (
+            "jobrun: error: interrupted by SIGUSR1: the commands were killed and their "
+            "database sessions ended"
+        )
+        assert jobrun_cli.group_gone(held)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # Row 1 is free again: A's transaction did not outlive it.
+            conn.execute("SET lock_timeout = '5s'")
+            conn.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
+
+    def test_a_held_job_dies_with_a_killed_jobrun(self, dsn, accounts, tmp_path):
+        """kill -9 of jobrun while A is stopped: A gets SIGKILL too, and its row is free."""
+        marker = tmp_path / "pids"
+        first = shlex.join(
+            ["sh", "-c", f'echo $$ >> "{marker}"; exec "$0" "$@"',
+             sys.executable, "-c", UPDATE_1_THEN_2, dsn, accounts]
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            [*jobrun_cli.JOBRUN, "overlap", "--first", first, "--second", "sleep 600",
+             "--runs", "1", "--timeout", "100s", "--order", "as-given"],
+            env=jobrun_cli.environment(dsn),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            jobrun_cli.wait_for_file(marker)
+            held = int(marker.read_text().split()[0])
+            jobrun_cli.wait_until(lambda: process_state(held) == "T", what="A held", timeout=60)
+            proc.kill()
+            proc.wait()
+            jobrun_cli.wait_until(lambda: jobrun_cli.process_gone(held), what="A's death")
+        finally:
+            proc.kill()
+            proc.wait()
+            for pgid in [int(pid) for pid in marker.read_text().split()]:
+                if not jobrun_cli.group_gone(pgid):
+                    os.killpg(pgid, signal.SIGKILL)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '5s'")
+            conn.execute(f"UPDATE {accounts} SET balance = 0 WHERE id = 1")  # noqa: S608
+
+
+class TestSchedule:
+    """Which job goes first, and where it is held, attempt after attempt."""
+
+    @staticmethod
+    def attempts(schedule, outcomes):
+        points = []
+        for number, outcome in enumerate(outcomes, 1):
+            first, hold_at = schedule.next()
+            attempt = overlap.Attempt(number, first=first, hold_at=hold_at, outcome=outcome)
+            attempt.statements = {"A": 3, "B": 2}
+            schedule.record(attempt)
+            points.append((first, hold_at))
+        return points
+
+    def test_sweep_alternates_then_goes_deeper(self):
+        """A and B take turns at statement 1, then 2, then A alone at 3, then again."""
+        plan = overlap.Plan(first=("true",), second=("true",), target=db.Target(dsn=""))
+        points = self.attempts(overlap.Schedule(plan), ["clean"] * 6)
+        assert points == [("A", 1), ("B", 1), ("A", 2), ("B", 2), ("A", 3), ("A", 1)]
+
+    def test_a_point_that_deadlocked_is_kept(self):
+        """B held at statement 1 deadlocked: kept until it misses twice in a row."""
+        plan = overlap.Plan(first=("true",), second=("true",), target=db.Target(dsn=""))
+        outcomes = ["clean", "deadlock", "deadlock", "clean", "deadlock", "clean", "clean"]
+        points = self.attempts(overlap.Schedule(plan), [*outcomes, "clean"])
+        assert points == [
+            ("A", 1),
+            ("B", 1),
+            ("B", 1),
+            ("B", 1),
+            ("B", 1),
+            ("B", 1),
+            ("B", 1),
+            ("A", 2),
+        ]
+
+    def test_as_given_order_keeps_a_first(self):
+        """--order as-given: A goes first in every attempt; only the hold point moves."""
+        plan = overlap.Plan(
+            first=("true",), second=("true",), target=db.Target(dsn=""), alternate=False
+        )
+        points = self.attempts(overlap.Schedule(plan), ["clean"] * 4)
+        assert points == [("A", 1), ("A", 2), ("A", 3), ("A", 1)]
+
+
+@pytest.fixture
+def scenario_schema(dsn: str) -> Iterator[str]:
+    """A schema of this test's own with the scenarios' tables."""
+    schema = f"overlap_{uuid.uuid4().hex[:8]}"
+    overlap_scenarios.create_schema(dsn, schema)
+    yield schema
+    overlap_scenarios.drop_schema(dsn, schema)
+
+
+SCENARIO_RUNS = {
+    "slow start (A works 1.5 s first)": 2,
+    "foreign key: child's key-share lock vs parent change": 2,
+    "advisory locks in opposite order": 2,
+    # Autocommit: the jobs are never inside a transaction, only holding an advisory lock.
+    "session advisory locks, opposite order, autocommit": 2,
+    # Held after their read, neither job holds anything yet: the sweep needs a third attempt.
+    "a read before the locks, in both jobs": 4,
+    "fixed: slow start, same row order": 2,
+    "nothing shared": 2,
+}
+
+
+class TestScenarios:
+    """A quick run of benchmarks/bench_overlap.py's suite: found where it can be, never else."""
+
+    @pytest.mark.parametrize(
+        "scenario",
+        [s for s in overlap_scenarios.SCENARIOS if s.name in SCENARIO_RUNS],
+        ids=lambda s: s.name,
+    )
+    def test_deadlock_found_exactly_where_one_can_happen(
+        self, overlap_cli, dsn, scenario_schema, scenario
+    ):
+        """Exit 1 with a deadlock for a pair that can deadlock; exit 0, none, for a fixed one."""
+        result = overlap_cli(
+            "--first", scenario.command(dsn, scenario_schema, "A"),
+            "--second", scenario.command(dsn, scenario_schema, "B"),
+            "--runs", str(SCENARIO_RUNS[scenario.name]), "--dsn", dsn, "--json",
+        )  # fmt: skip
+        report = report_json(result)
+        outcomes = [a["outcome"] for a in report["attempts"]]
+        if scenario.deadlocks:
+            assert report["deadlocks"] >= 1, outcomes
+            assert exit_status(result) == 1
+        else:
+            assert report["deadlocks"] == 0, outcomes
+            assert report["cycles"] == [], report["cycles"]
+            assert outcomes == ["clean"] * len(outcomes), report["attempts"]
+            assert exit_status(result) == 0

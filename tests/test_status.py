@@ -16,10 +16,10 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
 from jobrun import db, keys, log
+from jobrun.cli.ops import register
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
 from jobrun.history import HistoryConfig, Recorder
 from jobrun.locks import Identity, lease
-from jobrun.ops_cli import register
 from support import jobrun_cli
 from support.jobrun_cli import wait_for_file
 from support.pgserver import create_database, drop_database
@@ -414,7 +414,7 @@ class TestConnectionErrors:
 
 
 class TestWiredThroughCli:
-    """``python -m jobrun status``/``history``: needs ops_cli.register wired into cli.py."""
+    """``python -m jobrun status``/``history``: the subcommands wired into the group."""
 
     def test_status_json_through_the_real_cli(self, dsn, key, tmp_path):
         """A run holding the key, and `jobrun status KEY --json` in another process."""

@@ -28,7 +28,7 @@ def register(group: click.Group) -> None:
     "--second",
     required=True,
     metavar="CMD",
-    help="Command B, started once A is inside a transaction.",
+    help="Command B (shell-style quoting, no shell).",
 )
 @click.option(
     "--runs",
@@ -47,11 +47,21 @@ def register(group: click.Group) -> None:
     help="Per attempt: then both commands' process groups are killed.",
 )
 @click.option(
-    "--start-after",
-    default="inside",
+    "--start",
+    default="hold",
     show_default=True,
-    metavar="inside|DURATION",
-    help="Start B once A is inside a transaction, or this long after A.",
+    metavar="hold|inside|together|DURATION",
+    help="hold: stop the first job (SIGSTOP) once it is inside a transaction, start the "
+    "second, resume the first once the second waits for a lock; inside: start the second "
+    "once the first is inside a transaction; together: both at once; DURATION: the second "
+    "this long after the first.",
+)
+@click.option(
+    "--order",
+    type=click.Choice(["alternate", "as-given"]),
+    default="alternate",
+    show_default=True,
+    help="alternate: A and B take turns going first; as-given: A always goes first.",
 )
 @options.as_json
 def overlap_command(
@@ -62,7 +72,8 @@ def overlap_command(
     dsn: str,
     connect_timeout: float,
     timeout: float,
-    start_after: str,
+    start: str,
+    order: str,
     as_json: bool,
 ) -> int:
     """Run two commands against each other N times and report their deadlocks.
@@ -70,9 +81,11 @@ def overlap_command(
     \b
       jobrun overlap --first './transfer.py 1 2' --second './transfer.py 2 1' --runs 20
 
-    Each attempt starts A, waits until one of A's database sessions is inside a
-    transaction, starts B, and watches pg_locks / pg_blocking_pids until both exit. The
-    commands' sessions are found by application_name (PGAPPNAME=jobrun-overlap:A:<n>).
+    Each attempt starts one job, holds it (SIGSTOP) once one of its database sessions is
+    inside a transaction, starts the other, resumes the first once the other waits for a
+    lock, and watches pg_locks / pg_blocking_pids until both exit. The jobs take turns
+    going first, and attempts that find nothing hold the first job at later statements.
+    The commands' sessions are found by application_name (PGAPPNAME=jobrun-overlap:A:<n>).
     Reports how many attempts deadlocked and the wait-for cycle: which job, which
     statement, which lock. Exit status: 0 when no attempt deadlocked, 1 when one did,
     128+N when stopped by signal N (both commands are killed, their sessions ended).
@@ -83,29 +96,33 @@ def overlap_command(
 
     from jobrun import overlap
 
+    start_mode, delay = overlap.parse_start(start)
     plan = overlap.Plan(
         first=overlap.parse_command(first, option="--first"),
         second=overlap.parse_command(second, option="--second"),
         target=options.target(dsn, connect_timeout),
         runs=runs,
         timeout=timeout,
-        start_after=overlap.parse_start_after(start_after),
+        start=start_mode,
+        delay=delay,
+        alternate=order == "alternate",
     )
     report = overlap.run(plan, progress=None if as_json else _progress(runs))
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
     else:
-        click.echo(report.text())
+        click.echo(overlap.text(report))
     return report.exit_status
 
 
 def _progress(runs: int) -> Callable[[overlap.Attempt], None]:
     """One stderr line per finished attempt, so a long run shows it is alive."""
+    from jobrun import overlap
 
     def show(attempt: overlap.Attempt) -> None:
         click.echo(
             f"jobrun overlap: attempt {attempt.number}/{runs}: {attempt.outcome} "
-            f"({attempt.exits()}, {attempt.duration:.2f}s)",
+            f"({overlap.summary(attempt)})",
             err=True,
         )
 

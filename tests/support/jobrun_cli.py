@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from jobrun import procs
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
+    from pathlib import Path
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 
@@ -96,28 +98,9 @@ def wait_for_file(path: Path, *, timeout: float = 20.0) -> str:
     return path.read_text()
 
 
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs (a zombie counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
-
-
-def group_gone(pgid: int) -> bool:
-    """True when no live process is left in process group ``pgid``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state not in ("Z", "X"):
-            return False
-    return True
+#: The same looks at processes as jobrun's own (drill, overlap): one definition.
+process_gone = procs.process_gone
+group_gone = procs.group_gone
 
 
 def child_script(body: str) -> list[str]:
