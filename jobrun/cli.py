@@ -17,8 +17,10 @@ from jobrun.options import MODES, db_options, log_options
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun import db, history
-    from jobrun.locks import Identity
+    from jobrun import db
+    from jobrun.history.notify import NoHistory
+    from jobrun.history.recorder import Recorder
+    from jobrun.locks import Identity, Lock
 
 _ARGV = "jobrun.argv"
 STDIN, STDOUT, STDERR = 0, 1, 2
@@ -215,6 +217,14 @@ def _heartbeat(value: str | None) -> float | None:
     help="Error line (and --on-alert) after N skips or failures in a row; 0 disables.",
 )
 @click.option(
+    "--alert-repeat",
+    envvar="JOBRUN_ALERT_REPEAT",
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="While a streak lasts, alert again at most this often (then once: recovered).",
+)
+@click.option(
     "--on-alert",
     envvar="JOBRUN_ON_ALERT",
     metavar="CMD",
@@ -277,6 +287,7 @@ class _Timing(NamedTuple):
     connect_timeout: float
     ttl: float
     lifetime: float  # lease: how long a renewal vouches for the lease (session: unused)
+    alert_repeat: float
 
 
 def _timing(o: dict[str, Any]) -> _Timing:
@@ -304,7 +315,15 @@ def _timing(o: dict[str, Any]) -> _Timing:
         connect_timeout=durations.parse(o["connect_timeout"], option="--connect-timeout"),
         ttl=ttl,
         lifetime=lifetime,
+        alert_repeat=_alert_repeat(o["alert_repeat"]),
     )
+
+
+def _alert_repeat(text: str) -> float:
+    repeat = durations.parse(text, option="--alert-repeat")
+    if repeat <= 0:
+        raise UsageError("--alert-repeat must be longer than 0")
+    return repeat
 
 
 def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
@@ -313,7 +332,7 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     timing = _timing(o)
 
     from jobrun import db, log, runner
-    from jobrun.locks import Identity, Lock, new_run_id
+    from jobrun.locks import Identity, new_run_id
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
     fd, log_file_error = None, None
@@ -354,16 +373,6 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
         min_hold=timing.min_hold,
         once_per=timing.once_per,
     )
-    recorder = _recorder(o, target, identity, run_keys, log=bound, timing=timing)
-    if log_file_error is not None:
-        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
-    # Only now that every option is known to be valid: a usage error is one line, alone.
-    if dsn_on_command_line and target.has_password:
-        bound.warning(
-            "password_on_command_line",
-            hint="a password in --dsn is visible to every user in ps; "
-            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
-        )
     lock: Lock
     if o["mode"] == "lease":
         from jobrun.locks import lease
@@ -382,6 +391,16 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
             heartbeat=timing.heartbeat,
             kill_after=timing.kill_after,
         )
+    recorder = _recorder(o, target, identity, run_keys, log=bound, timing=timing, lock=lock)
+    if log_file_error is not None:
+        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
+    # Only now that every option is known to be valid: a usage error is one line, alone.
+    if dsn_on_command_line and target.has_password:
+        bound.warning(
+            "password_on_command_line",
+            hint="a password in --dsn is visible to every user in ps; "
+            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+        )
     return runner.run(
         job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
     )
@@ -395,24 +414,42 @@ def _recorder(
     *,
     log: FilteringBoundLogger,
     timing: _Timing,
-) -> history.Recorder | history.NullRecorder:
-    """The run's history recorder (a null one with --no-history, which still writes metrics)."""
+    lock: Lock,
+) -> Recorder | NoHistory:
+    """The run's history recorder (a null one with --no-history, which still writes metrics).
+
+    Session mode: the history goes over the lock session (one server session per run).
+    """
     from pathlib import Path
 
-    from jobrun import alerts, history
+    from jobrun import alerts
+    from jobrun.history import notify, recorder
+    from jobrun.history.config import HistoryConfig
 
-    config = history.HistoryConfig(
+    config = HistoryConfig(
         keep=o["keep"],
         alert_after=o["alert_after"],
+        alert_repeat=timing.alert_repeat,
         on_alert=alerts.parse_command(o["on_alert"]) if o["on_alert"] else None,
         metrics_file=o["metrics_file"],
-        # WARNING: history is written while the lock is held and unwatched (right after the
-        # acquisition): in lease mode it must never outlast half of what the lease vouches.
+        # WARNING: a history call holds the lock session (and so the heartbeat) up: its
+        # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
+        # in lease mode it must never outlast half of what a renewal vouches for.
         timeout=min(5.0, timing.lifetime / 2) if o["mode"] == "lease" else 5.0,
     )
     if o["no_history"]:
-        return history.NullRecorder(run_keys, config=config, log=log)
-    return history.Recorder(
+        notifier = notify.Notifier(
+            keys.describe(run_keys),
+            [key.lock_id for key in run_keys],
+            identity,
+            mode=o["mode"],
+            config=config,
+            log=log,
+        )
+        return notify.NoHistory(notifier)
+    from jobrun.locks.session import SessionLock
+
+    return recorder.Recorder(
         target,
         identity,
         run_keys,
@@ -421,6 +458,7 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
+        shared=lock.connection if isinstance(lock, SessionLock) else None,
     )
 
 

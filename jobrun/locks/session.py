@@ -209,6 +209,23 @@ class SessionLock:
                 f"the server no longer shows our advisory lock ({held} of {len(self._held)} held)"
             )
 
+    def known_lost(self) -> str | None:
+        """The lock session broke (a history call on it failed): the server freed our keys."""
+        conn = self._conn
+        if self._held and (conn is None or conn.closed or conn.broken):
+            return "the lock session broke"
+        return None
+
+    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        """The lock session, for the run's history calls (the run's one server session).
+
+        WARNING: a caller must send each of its calls as one message that ends its own
+        transaction (as ``history.calls`` does): psycopg's connection lock then keeps the
+        heartbeat's check from interleaving with it, and the session is never left idle in
+        a transaction (where the server's idle timeouts would end it, and the lock with it).
+        """
+        return self._conn
+
     def pause(self, seconds: float, stop_fd: int) -> None:
         """Wait, but wake at once when the server talks (it says FATAL before it hangs up)."""
         conn = self._conn
