@@ -87,19 +87,60 @@ def status_command(
     show_default=True,
     help="Show this many runs, newest first.",
 )
+@click.option(
+    "--overlapping",
+    "other_label",
+    metavar="OTHER",
+    help="Only runs of KEY that overlapped a run of OTHER: both sides, and for how long.",
+)
+@click.option(
+    "--since",
+    metavar="DURATION",
+    help="With --overlapping: only runs of KEY that started within this long, e.g. 30d.",
+)
 @db_options
 @_json_option
-def history_command(
-    key_label: str, limit: int, dsn: str, connect_timeout: str, as_json: bool
+def history_command(  # noqa: PLR0917 - click passes one parameter per option
+    key_label: str,
+    limit: int,
+    other_label: str | None,
+    since: str | None,
+    dsn: str,
+    connect_timeout: str,
+    as_json: bool,
 ) -> int:
-    """Recent runs and skips of KEY: outcome, exit code, duration, host, pid, start."""
+    """Recent runs and skips of KEY: outcome, exit code, duration, deadlocks, host, start.
+
+    With --overlapping OTHER: the runs of KEY whose window intersected a run of OTHER,
+    one line per pair, newest first (the nights two jobs ran at once).
+    """
     import json  # noqa: PLC0415 - keeps --help light
 
-    from jobrun import db, keys, status  # noqa: PLC0415 - keeps --help light
+    from jobrun import db, durations, keys, status  # noqa: PLC0415 - keeps --help light
+    from jobrun.exitcodes import UsageError  # noqa: PLC0415 - keeps --help light
 
-    for part in key_label.split(","):
-        keys.validate_name(part)
+    for label in (key_label, other_label or ""):
+        for part in filter(None, label.split(",")):
+            keys.validate_name(part)
+    if since is not None and other_label is None:
+        raise UsageError("--since goes with --overlapping")
+    since_seconds = None if since is None else durations.parse(since, option="--since")
     target = _target(dsn, connect_timeout)
+    if other_label is not None:
+        with (
+            db.connect(target, app_name="jobrun-history") as conn,
+            db.translate_errors(target, "reading the history"),
+        ):
+            pairs = status.overlapping(
+                conn, key_label, other_label, since=since_seconds, limit=limit
+            )
+        if as_json:
+            click.echo(json.dumps(pairs or [], indent=2, default=str))
+        elif pairs:
+            click.echo(status.overlap_table(pairs))
+        else:
+            click.echo(f"no run of {key_label} overlapped a run of {other_label}")
+        return 0
     with (
         db.connect(target, app_name="jobrun-history") as conn,
         db.translate_errors(target, "reading the history"),

@@ -178,9 +178,9 @@ DELETE FROM jobrun.leases WHERE lock_id = %s AND owner::text = ANY(%s::text[])
 #: The run history, created (and brought up to date) under the schema's transaction lock.
 #: ``streak`` is what the row extends: a skip, this host's skips in a row by the same holder;
 #: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
-#: ``alerted_at``: when the streak this row extends last alerted (a failure streak carries it
-#: from row to row; a skip streak's is the newest of its rows'), so every host of a fleet
-#: agrees when the next reminder is due. ``deadlocks``: deadlocks in the job's database while
+#: ``alerted_at``: when the streak this row extends last alerted, carried from row to row (so
+#: pruning never loses it) and agreed on by every host of a fleet: when the next reminder is
+#: due, and which streaks still owe a ``recovered``. ``deadlocks``: deadlocks in the job's database while
 #: the run ran (pg_stat_database at its start and at its end).
 RUNS_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS jobrun;
@@ -353,6 +353,7 @@ WITH chain AS (
     WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
 ), d AS (
     SELECT CASE WHEN %(locked)s THEN coalesce(c.mine, 0) + 1 ELSE 0 END AS streak, c.since,
+           c.last_alert,
            %(locked)s AND %(alert_after)s > 0
            AND coalesce(c.mine, 0) + 1 >= %(alert_after)s
            AND (c.last_alert IS NULL
@@ -367,14 +368,15 @@ SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %
        clock_timestamp(), clock_timestamp(), 'skipped', %(reason)s, %(exit_code)s,
        %(duration)s, d.streak,
        CASE WHEN d.streak > 0 THEN coalesce(d.since, clock_timestamp()) END,
-       %(holder_ref)s, %(holder)s, CASE WHEN d.alert THEN clock_timestamp() END
+       %(holder_ref)s, %(holder)s,
+       CASE WHEN d.alert THEN clock_timestamp() ELSE d.last_alert END
 FROM d
 ON CONFLICT (run_id) DO UPDATE
     SET finished_at = excluded.finished_at, outcome = excluded.outcome, reason = excluded.reason,
         exit_code = excluded.exit_code, duration = excluded.duration, streak = excluded.streak,
         streak_since = excluded.streak_since, holder_ref = excluded.holder_ref,
         holder = excluded.holder, alerted_at = excluded.alerted_at
-RETURNING streak, streak_since, alerted_at IS NOT NULL AS alert
+RETURNING streak, streak_since, (SELECT alert FROM d) AS alert
 """
 
 #: Keep the newest N finished runs and the newest N skips of a key, and each host's newest
@@ -412,8 +414,8 @@ LIMIT %(limit)s
 """
 
 #: ``jobrun history KEY --overlapping OTHER``: every pair of a run of KEY and a run of OTHER
-#: whose windows intersected (a run still going counts until now), newest first. Skips never
-#: ran anything and take no part.
+#: whose windows intersected (a run still going counts until now), newest first; ``since``:
+#: only runs of KEY that started that many seconds ago or later. Skips never ran anything.
 RUNS_OVERLAPPING = """
 SELECT a.run_id, a.host, a.pid, a.started_at, a.finished_at, a.outcome, a.exit_code,
        a.deadlocks,
@@ -430,7 +432,8 @@ JOIN jobrun.runs AS b
  AND b.started_at < coalesce(a.finished_at, clock_timestamp())
  AND a.started_at < coalesce(b.finished_at, clock_timestamp())
 WHERE a.key = %(key)s AND a.outcome <> 'skipped'
-  AND a.started_at >= coalesce(%(since)s::timestamptz, '-infinity')
+  AND (%(since)s::float8 IS NULL
+       OR a.started_at >= clock_timestamp() - make_interval(secs => %(since)s::float8))
 ORDER BY a.started_at DESC, b.started_at DESC
 LIMIT %(limit)s
 """

@@ -259,10 +259,11 @@ def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]]
 
 
 def overlapping(
-    conn: Connection, label: str, other: str, *, since: dt.datetime | None, limit: int
+    conn: Connection, label: str, other: str, *, since: float | None, limit: int
 ) -> list[dict[str, object]] | None:
     """Runs of ``label`` whose window intersected a run of ``other``, newest first.
 
+    ``since``: only runs of ``label`` that started at most that many seconds ago.
     One row per pair (a long run can overlap several), each side's start, end, host,
     outcome and deadlocks, and how many seconds they overlapped. None: no history table.
     """
