@@ -135,6 +135,44 @@ class TestOneSessionPerRun:
             counter.close()
 
 
+class TestLeaseModeSessions:
+    """Lease mode holds no connection between statements: its figures, pinned."""
+
+    def test_a_lease_run_and_a_lease_skip(self, fresh_dsn, key, tmp_path):
+        """A run before its first renewal: take, history start, history end, release (4).
+
+        A skip: the attempt (which names the holder) and the skip row (2).
+        """
+        first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # the schema exists from here on
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+            assert result.returncode == 0, result.stderr
+            run_sessions = counter.ended_since_start(4)
+        finally:
+            counter.close()
+        marker = tmp_path / "child"
+        # No renewal while the skip is counted: its first heartbeat is an hour away.
+        holder = jobrun_cli.start(
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            *jobrun_cli.holder_marker(marker), dsn=fresh_dsn,
+        )  # fmt: skip
+        try:
+            wait_for_file(marker)
+            counter = SessionCounter(fresh_dsn)
+            try:
+                skip = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+                assert skip.returncode == 75, skip.stderr
+                skip_sessions = counter.ended_since_start(2)
+            finally:
+                counter.close()
+        finally:
+            jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        print(f"lease mode: run {run_sessions} sessions, skip {skip_sessions} sessions")
+        assert (run_sessions, skip_sessions) == (4, 2)
+
+
 DEADLOCK_CHILD = """
 import sys, threading, psycopg
 dsn = sys.argv[1]
