@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import psycopg  # noqa: E402
+import psycopg
 
-from support.pgserver import PgServer  # noqa: E402
+from support.pgserver import PgServer
 
 _ENTRY = re.compile(r"\n(?=\d{4}-\d\d-\d\d )")
 _STATEMENT = re.compile(r"LOG:  (statement|execute [^:]*):")
