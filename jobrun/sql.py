@@ -180,8 +180,8 @@ DELETE FROM jobrun.leases WHERE lock_id = %s AND owner::text = ANY(%s::text[])
 #: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
 #: ``alerted_at``: when the streak this row extends last alerted, carried from row to row (so
 #: pruning never loses it) and agreed on by every host of a fleet: when the next reminder is
-#: due, and which streaks still owe a ``recovered``. ``deadlocks``: deadlocks in the job's database while
-#: the run ran (pg_stat_database at its start and at its end).
+#: due, and which streaks still owe a ``recovered``. ``deadlocks``: deadlocks in the job's
+#: database while the run ran (pg_stat_database at its start and at its end).
 RUNS_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS jobrun;
 CREATE TABLE IF NOT EXISTS jobrun.runs (
