@@ -83,3 +83,42 @@ class TestWiredThroughCli:
         result = jobrun_cli.run("--key", key, "--no-history", "--", "true", dsn=dsn)
         assert result.returncode == 0, result.stderr
         assert not table_exists(dsn) or rows_of(dsn, key) == []
+
+    def test_a_streak_that_alerted_recovers_once_through_the_hook(self, dsn, key, tmp_path):
+        """Skips alert once at --alert-after, then the next run says recovered (hook too)."""
+        marker = tmp_path / "child"
+        calls = tmp_path / "calls"
+        command = shlex.join(hook(calls))
+        options = ("--alert-after", "2", "--alert-repeat", "1h", "--on-alert", command)
+        holder_proc = jobrun_cli.start(
+            "--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn
+        )
+        try:
+            wait_for_file(marker)
+            skips = [
+                jobrun_cli.run("--key", key, *options, "--", "true", dsn=dsn) for _ in range(3)
+            ]
+        finally:
+            jobrun_cli.signal_and_wait(holder_proc, signal.SIGTERM)
+        assert [r.returncode for r in skips] == [75, 75, 75]
+        alerted = [
+            e["count"] for r in skips for e in events(r.stderr) if e["event"] == "skip_streak"
+        ]
+        assert alerted == [2]
+        runs = [jobrun_cli.run("--key", key, *options, "--", "true", dsn=dsn) for _ in range(2)]
+        assert [r.returncode for r in runs] == [0, 0]
+        assert event(runs[0].stderr, "recovered")["count"] == 3
+        assert all(e["event"] != "recovered" for e in events(runs[1].stderr))
+        payloads = [json.loads(call["stdin"]) for call in hook_calls(calls)]
+        assert [p["event"] for p in payloads] == ["skip_streak", "recovered"]
+
+    def test_a_bad_alert_repeat_is_a_usage_error(self, dsn, key, tmp_path):
+        """--alert-repeat 0 or nonsense: exit 64, one line, no child."""
+        ran = tmp_path / "ran"
+        for value in ("0", "soon"):
+            result = jobrun_cli.run(
+                "--key", key, "--alert-repeat", value, "--", "touch", str(ran), dsn=dsn
+            )
+            assert result.returncode == 64, result.stderr
+            assert len(result.stderr.strip().splitlines()) == 1
+        assert not ran.exists()
