@@ -458,7 +458,7 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
-        shared=lock.connection if isinstance(lock, SessionLock) else None,
+        shared=lock if isinstance(lock, SessionLock) else None,
     )
 
 

@@ -231,6 +231,21 @@ class TestRecorderFailures:
         assert len(captured.events("history_failed")) == 1
         assert rows_of(fresh_dsn, recorder.label)[0]["outcome"] == "succeeded"
 
+    def test_a_silent_network_under_a_shared_session_is_cut(
+        self, dsn, make_recorder, captured, proxy, pg_address
+    ):
+        """No answer at all on the lock session: the call gives up, the session is cut."""
+        ensure_runs_table(dsn)
+        cut = proxy(*pg_address)
+        with psycopg.connect(cut.dsn_for(dsn), autocommit=True) as session:
+            config = HistoryConfig(timeout=0.5)
+            recorder = make_recorder(config=config, shared=session)
+            cut.blackhole()
+            recorder.acquired(None)  # returns: the test would hang otherwise
+            assert session.broken
+        (line,) = captured.events("history_failed")
+        assert line["during"] == "checking earlier runs"
+
     def test_a_password_never_reaches_the_warning(self, make_recorder, captured):
         """The DSN's password is masked in history_failed."""
         recorder = make_recorder(target_dsn="host=127.0.0.1 port=1 password=hunter2secret")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 from psycopg import errors
@@ -14,7 +15,7 @@ from jobrun.exitcodes import JobrunError
 from jobrun.locks.lease import SCHEMA_LOCK_ID
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
@@ -23,6 +24,21 @@ if TYPE_CHECKING:
 
 #: A connection of the history's own gives up connecting after this long.
 CONNECT_TIMEOUT = 5.0
+#: A call on the lock session with no answer this long after its timeout: the network is
+#: silent (the server would have cancelled the statement), so the session is cut.
+SILENCE_GRACE = 2.0
+
+
+class SharedSession(Protocol):
+    """The lock session, lent to the history (``locks.session.SessionLock``)."""
+
+    def connection(self) -> Connection | None:
+        """The session's connection (None: there is none)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Cut the session's socket, so that whatever waits on it fails now."""
+        ...
 
 
 def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
@@ -41,7 +57,7 @@ def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
 class Calls:
     """Sends history calls; never raises for database trouble, says it once, then gives up.
 
-    ``shared`` returns the lock session (session mode: the run's one server session, shared
+    ``shared`` lends the lock session (session mode: the run's one server session, shared
     with the heartbeat). Each call is ONE message of a few statements, which the server runs
     as one implicit transaction: psycopg's connection lock is held for the whole exchange, so
     the heartbeat's check waits for at most the call's timeout and never lands inside it, and
@@ -60,7 +76,7 @@ class Calls:
         app_name: str,
         timeout: float,
         log: FilteringBoundLogger,
-        shared: Callable[[], Connection | None] | None = None,
+        shared: SharedSession | None = None,
     ) -> None:
         self._target = dataclasses.replace(
             target, connect_timeout=min(target.connect_timeout, CONNECT_TIMEOUT)
@@ -107,10 +123,20 @@ class Calls:
             self.round_trips += 1  # the connection's own start-up exchange
             with db.connect(self._target, app_name=self._app_name) as own:
                 return self._send(own, statements, params)
-        shared = self._shared()
-        if shared is None or shared.closed or shared.broken:
+        conn = self._shared.connection()
+        if conn is None or conn.closed or conn.broken:
             raise psycopg.OperationalError("the lock session is closed")
-        return self._send(shared, statements, params)
+        # WARNING: on a silent network (nothing answers, nothing tells the kernel) this call,
+        # or the heartbeat check it waits for, would never return: past the call's timeout
+        # the socket is cut, as the heartbeat's own watchdog does. A thread per call, but
+        # only a timer that is cancelled as soon as the answer is in.
+        cutter = threading.Timer(self._timeout + SILENCE_GRACE, self._shared.interrupt)
+        cutter.daemon = True
+        cutter.start()
+        try:
+            return self._send(conn, statements, params)
+        finally:
+            cutter.cancel()
 
     def _send(
         self, conn: Connection, statements: Sequence[str], params: Mapping[str, object]

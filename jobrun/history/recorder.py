@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from psycopg.types.json import Jsonb
 
 from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.history.calls import Calls
+from jobrun.history.calls import Calls, SharedSession
 from jobrun.history.config import FAILURES, holder_ref, iso
 from jobrun.history.notify import Notifier
 from jobrun.keys import Key, describe
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Callable, Mapping
+    from collections.abc import Mapping
 
-    import psycopg
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.history.config import HistoryConfig
@@ -48,7 +47,7 @@ class Recorder:
         config: HistoryConfig,
         log: FilteringBoundLogger,
         environ: Mapping[str, str] | None = None,
-        shared: Callable[[], psycopg.Connection[Any] | None] | None = None,
+        shared: SharedSession | None = None,
     ) -> None:
         label = describe(keys)
         self._config = config

@@ -227,10 +227,31 @@ class SessionLock:
         return self._conn
 
     def pause(self, seconds: float, stop_fd: int) -> None:
-        """Wait, but wake at once when the server talks (it says FATAL before it hangs up)."""
-        conn = self._conn
-        fds = [stop_fd] if conn is None or conn.closed else [stop_fd, conn.fileno()]
-        select.select(fds, [], [], max(0.0, seconds))
+        """Wait, but wake at once when the server talks (it says FATAL before it hangs up).
+
+        The session also carries the run's history calls: while one is reading its answer
+        (it holds the connection's lock) the socket is readable for it, not for us, and
+        waking would cost a spurious check. Then wait for that call to end (its statement
+        timeout bounds it) and go on waiting.
+        """
+        deadline = time.monotonic() + max(0.0, seconds)
+        while True:
+            conn = self._conn
+            if conn is None or conn.closed:
+                select.select([stop_fd], [], [], max(0.0, deadline - time.monotonic()))
+                return
+            ready, _, _ = select.select(
+                [stop_fd, conn.fileno()], [], [], max(0.0, deadline - time.monotonic())
+            )
+            if not ready or stop_fd in ready:
+                return
+            if conn.lock.acquire(blocking=False):  # nobody else is talking: the server is
+                conn.lock.release()
+                return
+            if conn.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                conn.lock.release()
+            if time.monotonic() >= deadline:
+                return
 
     def interrupt(self) -> None:
         """Unblock a check stuck on a dead network by shutting the socket down under it."""

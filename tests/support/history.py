@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -67,6 +68,20 @@ def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
 
 
 @dataclass
+class Lent:
+    """A connection lent to a recorder as the lock session is."""
+
+    conn: psycopg.Connection[Any]
+
+    def connection(self) -> psycopg.Connection[Any]:
+        return self.conn
+
+    def interrupt(self) -> None:
+        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
 class Run:
     """A Recorder with the run id and key label it records under."""
 
@@ -112,7 +127,7 @@ def make_recorder(dsn, key, captured) -> Callable[..., Run]:
             # As the CLI does: every line names the run.
             log=captured.log.bind(run_id=identity.run_id, host=host, pid=pid),
             environ=environ,
-            shared=None if shared is None else (lambda: shared),
+            shared=None if shared is None else Lent(shared),
         )
         return Run(
             recorder,
