@@ -32,6 +32,10 @@ SILENCE_GRACE = 2.0
 class SharedSession(Protocol):
     """The lock session, lent to the history (``locks.session.SessionLock``)."""
 
+    #: Who holds the lock, as a SQL comment: every statement on the session starts with it,
+    #: so that a run finding the lock held can name us from pg_stat_activity.query.
+    comment: str
+
     def connection(self) -> Connection | None:
         """The session's connection (None: there is none)."""
         ...
@@ -134,15 +138,21 @@ class Calls:
         cutter.daemon = True
         cutter.start()
         try:
-            return self._send(conn, statements, params)
+            return self._send(conn, statements, params, prefix=self._shared.comment)
         finally:
             cutter.cancel()
 
     def _send(
-        self, conn: Connection, statements: Sequence[str], params: Mapping[str, object]
+        self,
+        conn: Connection,
+        statements: Sequence[str],
+        params: Mapping[str, object],
+        *,
+        prefix: str = "",
     ) -> list[Rows]:
         share_ms = max(1, int(self._timeout * 1000 / len(statements)))
-        message = ";\n".join((sql.RUNS_TIMEOUTS, *statements))
+        # Bound on the client: a percent sign in the prefix (a host name) must be doubled.
+        message = prefix.replace("%", "%%") + ";\n".join((sql.RUNS_TIMEOUTS, *statements))
         values = {**params, "ms": str(share_ms)}
         try:
             self.round_trips += 1

@@ -71,6 +71,8 @@ class SessionLock:
             ensure_ascii=True,
         ).replace("*", "")
         self._comment = f"/* jobrun-holder {announcement} */ "
+        #: The same, for statements that others (the history) send on this session.
+        self.comment = self._comment
         self._app_name = db.application_name(describe(keys))
         self.confirmed_at = 0.0
 

@@ -72,6 +72,7 @@ class Lent:
     """A connection lent to a recorder as the lock session is."""
 
     conn: psycopg.Connection[Any]
+    comment: str = "/* jobrun-holder {} */ "
 
     def connection(self) -> psycopg.Connection[Any]:
         return self.conn
