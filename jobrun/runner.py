@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrun import supervise
 from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, from_wait_status
+from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
 from jobrun.watchdog import Watchdog
 
@@ -47,7 +48,7 @@ class Recorder(Protocol):
         ...
 
     def started(self, child_pid: int | None) -> None:
-        """The child is running."""
+        """The child is running (never waits for the database)."""
         ...
 
     def finished(
@@ -65,7 +66,7 @@ class Recorder(Protocol):
         """
         ...
 
-    def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
+    def skipped(self, reason: str, holder_fields: Mapping[str, Any], exit_code: int) -> None:
         """The run skipped (the lock was held, or an earlier run made it redundant)."""
         ...
 
@@ -76,36 +77,6 @@ class Recorder(Protocol):
     def flush(self) -> None:
         """Run what was deferred (alert hooks), after the lock is released."""
         ...
-
-
-class _NoRecorder:
-    """No history: every call does nothing."""
-
-    def acquired(self, once_per: float | None) -> dict[str, Any] | None:  # noqa: ARG002
-        return None
-
-    def started(self, child_pid: int | None) -> None:
-        pass
-
-    def finished(
-        self,
-        outcome: str,
-        exit_code: int,
-        signal: str | None,
-        duration: float,
-        *,
-        defer_alerts: bool = False,
-    ) -> None:
-        pass
-
-    def skipped(self, reason: str, holder_fields: dict[str, Any], exit_code: int) -> None:
-        pass
-
-    def exec_failed(self, exit_code: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def child_environment(environ: Mapping[str, str], job: Job, run_id: str) -> dict[str, str]:
@@ -136,7 +107,7 @@ def run(
     recorder: Recorder | None = None,
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status."""
-    recorder = recorder or _NoRecorder()
+    recorder = recorder or NoHistory()
     guarded = _GuardedRun(
         job, lock=lock, identity=identity, environ=environ, log=log, recorder=recorder
     )
@@ -187,7 +158,7 @@ class _GuardedRun:
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
-                self.status = self._run_child(child_mask, watchdog=None, recorder=_NoRecorder())
+                self.status = self._run_child(child_mask, watchdog=None, recorder=NoHistory())
             return self.status
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())

@@ -169,11 +169,19 @@ DRILL_DELETE_LEASE = """
 DELETE FROM jobrun.leases WHERE lock_id = %s AND owner::text = ANY(%s::text[])
 """
 
-# --- run history (issue 4) --------------------------------------------------------------------
+# --- run history ------------------------------------------------------------------------------
+#
+# Each history call is ONE message of the statements below, joined by ";" and bound on the
+# client: the server runs it as one implicit transaction (the settings made local by
+# RUNS_TIMEOUTS end with it). Literal percent signs must be doubled (client-side binding).
 
-#: The run history; history.ensure_schema runs it under the same transaction-scoped lock as SCHEMA.
+#: The run history, created (and brought up to date) under the schema's transaction lock.
 #: ``streak`` is what the row extends: a skip, this host's skips in a row by the same holder;
 #: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
+#: ``alerted_at``: when the streak this row extends last alerted, carried from row to row (so
+#: pruning never loses it) and agreed on by every host of a fleet: when the next reminder is
+#: due, and which streaks still owe a ``recovered``. ``deadlocks``: deadlocks in the job's
+#: database while the run ran (pg_stat_database at its start and at its end).
 RUNS_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS jobrun;
 CREATE TABLE IF NOT EXISTS jobrun.runs (
@@ -195,19 +203,25 @@ CREATE TABLE IF NOT EXISTS jobrun.runs (
     streak       integer NOT NULL DEFAULT 0,
     streak_since timestamptz,
     holder_ref   text,
-    holder       jsonb
+    holder       jsonb,
+    alerted_at   timestamptz,
+    deadlocks    bigint
 );
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
+                        ADD COLUMN IF NOT EXISTS deadlocks bigint;
 CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
 CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
-    WHERE outcome = 'running';
+    WHERE outcome = 'running'
 """
 
-#: Every history transaction starts with this: a history write must never hold a job up.
-RUNS_LOCAL_TIMEOUTS = """
+#: Serializes the schema's creation (transaction-scoped: released with the message).
+RUNS_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(%(schema_lock)s)"
+
+#: Every history message starts with this: a history statement never holds a job (or the
+#: heartbeat sharing its session) up for longer than its share of the call's timeout.
+RUNS_TIMEOUTS = """
 SELECT set_config('statement_timeout', %(ms)s, true), set_config('lock_timeout', %(ms)s, true)
 """
-
-RUNS_NOW = "SELECT clock_timestamp()"
 
 #: Runs still marked running on any of our lock ids are dead: we hold those locks now.
 RUNS_ABANDON = """
@@ -216,10 +230,11 @@ WHERE outcome = 'running' AND lock_ids && %(lock_ids)s::int8[] AND run_id <> %(r
 RETURNING run_id, key, host, pid, started_at
 """
 
-#: ``--once-per``: a run of this key that started in the current window, aligned to the Unix
-#: epoch on the database's clock, and is running or succeeded.
-RUNS_ALREADY_RAN = """
-SELECT run_id, host, pid, started_at, outcome, w.start
+#: The run of this key that makes ours redundant under ``--once-per`` (window NULL: none): it
+#: started in the current window, aligned to the Unix epoch on the database's clock, and is
+#: running or succeeded.
+_EARLIER = """
+SELECT run_id, host, pid, started_at, outcome, w.start AS window_start
 FROM jobrun.runs,
      (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
                                 / %(window)s::float8) * %(window)s::float8) AS start) AS w
@@ -228,86 +243,149 @@ WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeed
 ORDER BY started_at DESC
 LIMIT 1
 """
+RUNS_ALREADY_RAN = _EARLIER
 
-RUNS_START = """
+#: Our ``running`` row, unless an earlier run makes us redundant; with the database's count
+#: of deadlocks so far, so that the end of the run can say how many happened during it.
+#: (Composed of constants only: no input is ever formatted into SQL.)
+RUNS_ACQUIRED = f"""
 INSERT INTO jobrun.runs
-    (run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, outcome)
-VALUES (%(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(child_pid)s,
-        %(program)s, coalesce(%(started_at)s::timestamptz, clock_timestamp()), 'running')
-ON CONFLICT (run_id) DO UPDATE SET child_pid = excluded.child_pid
+    (run_id, key, lock_ids, mode, host, pid, program, started_at, outcome)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
+       clock_timestamp(), 'running'
+WHERE NOT EXISTS ({_EARLIER})
+ON CONFLICT (run_id) DO NOTHING
+RETURNING started_at,
+          (SELECT deadlocks FROM pg_stat_database WHERE datname = current_database())
+              AS deadlocks
+"""  # noqa: S608 - constants only
+
+#: The skip streaks of this key that alerted end now (a run got the lock): claimed by exactly
+#: one run, which reports each one's length and start once (``recovered``).
+RUNS_SKIPS_RECOVERED = """
+WITH claimed AS (
+    UPDATE jobrun.runs SET alerted_at = NULL
+    WHERE key = %(key)s AND outcome = 'skipped' AND alerted_at IS NOT NULL
+    RETURNING holder_ref
+)
+SELECT max(r.streak) AS count, min(r.streak_since) AS since, clock_timestamp() AS ended
+FROM jobrun.runs AS r
+WHERE r.key = %(key)s AND r.outcome = 'skipped' AND r.holder_ref IN (SELECT holder_ref FROM claimed)
+GROUP BY r.holder_ref
 """
 
-#: The run of this key that finished last (a success or a failure), for the failure streak:
-#: ordered by the end, so a run that ended late (a frozen lease holder) counts where it ended.
-RUNS_PREVIOUS_FINISHED = """
-SELECT outcome, streak, streak_since FROM jobrun.runs
-WHERE key = %(key)s AND run_id <> %(run_id)s
-  AND outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost', 'exec_failed')
-ORDER BY finished_at DESC
-LIMIT 1
-"""
-
-#: Record how a run ended; inserts the row if its start was never recorded (a failed write).
+#: Record how a run ended (inserting the row if its start was never recorded), with the
+#: failure streak it extends and whether that streak alerts now: at ``alert_after`` failures
+#: in a row, then again once ``repeat`` seconds have passed since its last alert. A success
+#: after a streak that alerted reports that streak (``recovered_*``).
 RUNS_FINISH = """
+WITH previous AS (
+    SELECT outcome, streak, streak_since, alerted_at FROM jobrun.runs
+    WHERE key = %(key)s AND run_id <> %(run_id)s
+      AND outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost', 'exec_failed')
+    ORDER BY finished_at DESC
+    LIMIT 1
+), chain AS (
+    SELECT p.outcome IN ('failed', 'timed_out', 'lock_lost', 'exec_failed') AS failing, p.*
+    FROM (SELECT 1) AS one LEFT JOIN previous AS p ON true
+), s AS (
+    SELECT CASE WHEN NOT %(failed)s THEN 0
+                WHEN coalesce(c.failing, false) THEN c.streak + 1 ELSE 1 END AS streak,
+           CASE WHEN %(failed)s AND coalesce(c.failing, false) THEN c.streak_since END AS since,
+           CASE WHEN %(failed)s AND coalesce(c.failing, false) THEN c.alerted_at END AS last_alert,
+           CASE WHEN NOT %(failed)s AND coalesce(c.failing, false) AND c.alerted_at IS NOT NULL
+                THEN c.streak END AS recovered_count,
+           c.streak_since AS recovered_since,
+           coalesce(%(started_at)s::timestamptz,
+                    clock_timestamp() - make_interval(secs => %(duration)s)) AS at
+    FROM chain AS c
+), d AS (
+    SELECT s.*,
+           %(alert_after)s > 0 AND s.streak >= %(alert_after)s
+           AND (s.last_alert IS NULL
+                OR s.last_alert <= clock_timestamp() - make_interval(secs => %(repeat)s))
+               AS alert
+    FROM s
+)
 INSERT INTO jobrun.runs AS r
-    (run_id, key, lock_ids, mode, host, pid, program, started_at, finished_at, outcome,
-     exit_code, signal, duration, streak, streak_since)
-SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s, s.at,
-       clock_timestamp(), %(outcome)s, %(exit_code)s, %(signal)s, %(duration)s, %(streak)s,
-       CASE WHEN %(streak)s > 0 THEN coalesce(%(streak_since)s::timestamptz, s.at) END
-FROM (SELECT coalesce(%(started_at)s::timestamptz,
-                      clock_timestamp() - make_interval(secs => %(duration)s)) AS at) AS s
+    (run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at,
+     outcome, exit_code, signal, duration, streak, streak_since, alerted_at, deadlocks)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(child_pid)s,
+       %(program)s, d.at, clock_timestamp(), %(outcome)s, %(exit_code)s, %(signal)s,
+       %(duration)s, d.streak,
+       CASE WHEN d.streak > 0 THEN coalesce(d.since, d.at) END,
+       CASE WHEN d.alert THEN clock_timestamp() ELSE d.last_alert END,
+       (SELECT deadlocks FROM pg_stat_database WHERE datname = current_database())
+           - %(deadlocks_at_start)s
+FROM d
 ON CONFLICT (run_id) DO UPDATE
     SET finished_at = excluded.finished_at, outcome = excluded.outcome,
-        exit_code = excluded.exit_code, signal = excluded.signal, duration = excluded.duration,
-        streak = excluded.streak,
+        child_pid = excluded.child_pid, exit_code = excluded.exit_code,
+        signal = excluded.signal, duration = excluded.duration, streak = excluded.streak,
         streak_since = CASE WHEN excluded.streak > 0
-                            THEN coalesce(%(streak_since)s::timestamptz, r.started_at) END
-RETURNING streak, streak_since
+                            THEN coalesce((SELECT since FROM d), r.started_at) END,
+        alerted_at = excluded.alerted_at, deadlocks = excluded.deadlocks
+RETURNING streak, streak_since, finished_at, deadlocks,
+          (SELECT alert FROM d) AS alert,
+          (SELECT recovered_count FROM d) AS recovered_count,
+          (SELECT recovered_since FROM d) AS recovered_since
 """
 
-#: Taken before RUNS_SKIP_CHAIN: hosts skipping behind the same holder at the same moment
-#: take turns until their transactions end, so each reads the streaks the others wrote and
-#: only the first to reach a count alerts. Two int4 halves (objsubid 2): never one of the
-#: bigint lock ids jobs use, and never shown by ``jobrun status``.
+#: Taken before RUNS_SKIP (its own statement, so RUNS_SKIP's snapshot comes after it): hosts
+#: skipping behind the same holder at the same moment take turns until their transactions
+#: end, so each reads the streaks the others wrote. Two int4 halves (objsubid 2): never one
+#: of the bigint lock ids jobs use, and never shown by ``jobrun status``. Without a holder
+#: (NULL) no lock is taken.
 RUNS_SKIP_SERIALIZE = """
 SELECT pg_advisory_xact_lock(hashtext('jobrun.skip'),
                              hashtext(%(key)s::text || ':' || %(holder_ref)s::text))
 """
 
-#: Skips of this key by the same holder: this host's longest chain, and anyone's.
-RUNS_SKIP_CHAIN = """
-SELECT max(streak) FILTER (WHERE host = %(host)s),
-       min(streak_since) FILTER (WHERE host = %(host)s),
-       max(streak)
-FROM jobrun.runs
-WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
-"""
-
+#: Record a skip. Behind a known holder it extends this host's chain of skips behind that
+#: holder; the chain alerts at ``alert_after``, then again once ``repeat`` seconds have passed
+#: since any host's last alert of it: one reminder per period for the whole fleet.
 RUNS_SKIP = """
+WITH chain AS (
+    SELECT max(streak) FILTER (WHERE host = %(host)s) AS mine,
+           min(streak_since) FILTER (WHERE host = %(host)s) AS since,
+           max(alerted_at) AS last_alert
+    FROM jobrun.runs
+    WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
+), d AS (
+    SELECT CASE WHEN %(locked)s THEN coalesce(c.mine, 0) + 1 ELSE 0 END AS streak, c.since,
+           c.last_alert,
+           %(locked)s AND %(alert_after)s > 0
+           AND coalesce(c.mine, 0) + 1 >= %(alert_after)s
+           AND (c.last_alert IS NULL
+                OR c.last_alert <= clock_timestamp() - make_interval(secs => %(repeat)s))
+               AS alert
+    FROM chain AS c
+)
 INSERT INTO jobrun.runs AS r
     (run_id, key, lock_ids, mode, host, pid, program, started_at, finished_at, outcome, reason,
-     exit_code, duration, streak, streak_since, holder_ref, holder)
-VALUES (%(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
-        clock_timestamp(), clock_timestamp(), 'skipped', %(reason)s, %(exit_code)s,
-        %(duration)s, %(streak)s,
-        CASE WHEN %(streak)s > 0 THEN coalesce(%(streak_since)s::timestamptz, clock_timestamp())
-        END,
-        %(holder_ref)s, %(holder)s)
+     exit_code, duration, streak, streak_since, holder_ref, holder, alerted_at)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
+       clock_timestamp(), clock_timestamp(), 'skipped', %(reason)s, %(exit_code)s,
+       %(duration)s, d.streak,
+       CASE WHEN d.streak > 0 THEN coalesce(d.since, clock_timestamp()) END,
+       %(holder_ref)s, %(holder)s,
+       CASE WHEN d.alert THEN clock_timestamp() ELSE d.last_alert END
+FROM d
 ON CONFLICT (run_id) DO UPDATE
     SET finished_at = excluded.finished_at, outcome = excluded.outcome, reason = excluded.reason,
         exit_code = excluded.exit_code, duration = excluded.duration, streak = excluded.streak,
         streak_since = excluded.streak_since, holder_ref = excluded.holder_ref,
-        holder = excluded.holder
-RETURNING streak, streak_since
+        holder = excluded.holder, alerted_at = excluded.alerted_at
+RETURNING streak, streak_since, (SELECT alert FROM d) AS alert
 """
 
 #: Keep the newest N finished runs and the newest N skips of a key, and each host's newest
-#: skip of it: that row carries the host's skip streak (RUNS_SKIP_CHAIN), which the skips of
-#: a fleet larger than N would otherwise push out. So at most N + hosts skips; running rows
-#: stay. SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks.
+#: skip of it: that row carries the host's skip streak (RUNS_SKIP), which the skips of a fleet
+#: larger than N would otherwise push out. So at most N + hosts skips; running rows stay.
+#: SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks. A
+#: role that may not delete prunes nothing (and its history is still written).
 RUNS_PRUNE = """
-DELETE FROM jobrun.runs WHERE run_id IN (
+DELETE FROM jobrun.runs WHERE has_table_privilege('jobrun.runs', 'DELETE') AND run_id IN (
     SELECT run_id FROM jobrun.runs
     WHERE run_id IN (
         SELECT ranked.run_id FROM (
@@ -328,10 +406,35 @@ DELETE FROM jobrun.runs WHERE run_id IN (
 #: ``jobrun history KEY``.
 RUNS_OF_KEY = """
 SELECT run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at,
-       outcome, reason, exit_code, signal, duration, streak, holder
+       outcome, reason, exit_code, signal, duration, streak, deadlocks, holder
 FROM jobrun.runs
 WHERE key = %(key)s
 ORDER BY started_at DESC
+LIMIT %(limit)s
+"""
+
+#: ``jobrun history KEY --overlapping OTHER``: every pair of a run of KEY and a run of OTHER
+#: whose windows intersected (a run still going counts until now), newest first; ``since``:
+#: only runs of KEY that started that many seconds ago or later. Skips never ran anything.
+RUNS_OVERLAPPING = """
+SELECT a.run_id, a.host, a.pid, a.started_at, a.finished_at, a.outcome, a.exit_code,
+       a.deadlocks,
+       b.run_id AS other_run_id, b.host AS other_host, b.pid AS other_pid,
+       b.started_at AS other_started_at, b.finished_at AS other_finished_at,
+       b.outcome AS other_outcome, b.exit_code AS other_exit_code,
+       b.deadlocks AS other_deadlocks,
+       extract(epoch FROM least(coalesce(a.finished_at, clock_timestamp()),
+                                coalesce(b.finished_at, clock_timestamp()))
+                          - greatest(a.started_at, b.started_at))::float8 AS overlap
+FROM jobrun.runs AS a
+JOIN jobrun.runs AS b
+  ON b.key = %(other)s AND b.outcome <> 'skipped'
+ AND b.started_at < coalesce(a.finished_at, clock_timestamp())
+ AND a.started_at < coalesce(b.finished_at, clock_timestamp())
+WHERE a.key = %(key)s AND a.outcome <> 'skipped'
+  AND (%(since)s::float8 IS NULL
+       OR a.started_at >= clock_timestamp() - make_interval(secs => %(since)s::float8))
+ORDER BY a.started_at DESC, b.started_at DESC
 LIMIT %(limit)s
 """
 
@@ -339,8 +442,8 @@ LIMIT %(limit)s
 
 #: Every granted bigint advisory lock in this database, with whoever holds it.
 STATUS_ADVISORY_LOCKS = """
-SELECT (l.classid::int8 << 32) | l.objid::int8, l.pid, host(a.client_addr), a.application_name,
-       a.backend_start, a.query
+SELECT (l.classid::int8 << 32) | l.objid::int8 AS lock_id, l.pid,
+       host(a.client_addr) AS client_addr, a.application_name, a.backend_start, a.query
 FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
@@ -359,30 +462,31 @@ ORDER BY lock_id
 STATUS_HISTORY = """
 SELECT k.key,
        (SELECT lock_ids FROM jobrun.runs AS x WHERE x.key = k.key
-        ORDER BY x.started_at DESC LIMIT 1),
+        ORDER BY x.started_at DESC LIMIT 1) AS lock_ids,
        last.outcome, last.exit_code, last.started_at, last.finished_at, last.duration,
+       last.deadlocks,
        (SELECT max(x.finished_at) FROM jobrun.runs AS x
-        WHERE x.key = k.key AND x.outcome = 'succeeded'),
+        WHERE x.key = k.key AND x.outcome = 'succeeded') AS last_success_at,
        (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d.duration)
         FROM (SELECT x.duration FROM jobrun.runs AS x
               WHERE x.key = k.key AND x.outcome = 'succeeded' AND x.duration IS NOT NULL
-              ORDER BY x.started_at DESC LIMIT 20) AS d),
+              ORDER BY x.started_at DESC LIMIT 20) AS d) AS typical_duration,
        coalesce((SELECT max(x.streak) FROM jobrun.runs AS x
                  WHERE x.key = k.key AND x.outcome = 'skipped'
                    AND x.started_at > coalesce((SELECT max(y.started_at) FROM jobrun.runs AS y
                                                 WHERE y.key = k.key AND y.outcome <> 'skipped'),
-                                               '-infinity')), 0),
+                                               '-infinity')), 0) AS skip_streak,
        coalesce((SELECT CASE WHEN x.outcome = 'succeeded' THEN 0 ELSE x.streak END
                  FROM jobrun.runs AS x
                  WHERE x.key = k.key
                    AND x.outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost',
                                      'exec_failed')
-                 ORDER BY x.finished_at DESC LIMIT 1), 0),
+                 ORDER BY x.finished_at DESC LIMIT 1), 0) AS failure_streak,
        (SELECT max(x.started_at) FROM jobrun.runs AS x
-        WHERE x.key = k.key AND x.outcome = 'skipped')
+        WHERE x.key = k.key AND x.outcome = 'skipped') AS last_skip_at
 FROM (SELECT DISTINCT key FROM jobrun.runs WHERE %(all)s OR key = ANY(%(keys)s::text[])) AS k
 LEFT JOIN LATERAL (
-    SELECT x.outcome, x.exit_code, x.started_at, x.finished_at, x.duration
+    SELECT x.outcome, x.exit_code, x.started_at, x.finished_at, x.duration, x.deadlocks
     FROM jobrun.runs AS x
     WHERE x.key = k.key AND x.outcome NOT IN ('running', 'skipped')
     ORDER BY x.finished_at DESC NULLS LAST LIMIT 1
@@ -470,18 +574,6 @@ DOCTOR_IMMUNE_END = "RESET statement_timeout"
 DOCTOR_SESSION_DEFAULTS = """
 SELECT name, reset_val, unit FROM pg_settings WHERE name = ANY(%(names)s)
 """
-
-# --- history transactions -------------------------------------------------------------------
-
-#: History transactions are opened and closed by hand: a connection cut on purpose (a silent
-#: network) is then simply closed, where psycopg's transaction block would try to roll back
-#: and log a non-JSON warning line on stderr.
-BEGIN = "BEGIN"
-COMMIT = "COMMIT"
-ROLLBACK = "ROLLBACK"
-SAVEPOINT_PRUNE = "SAVEPOINT prune"
-ROLLBACK_TO_PRUNE = "ROLLBACK TO SAVEPOINT prune"
-RELEASE_PRUNE = "RELEASE SAVEPOINT prune"
 
 # --- jobrun overlap ---
 

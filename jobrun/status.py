@@ -9,16 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
+from psycopg.rows import dict_row
 
 from jobrun import keys, sql
 from jobrun.durations import format_seconds
-from jobrun.history import iso
+from jobrun.history.config import iso
+from jobrun.locks import Holder
 from jobrun.locks.session import announcement
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-    Connection = psycopg.Connection[tuple[Any, ...]]
+    Connection = psycopg.Connection[Any]
+    Row = dict[str, Any]
 
 _LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
 _APP_PREFIX = "jobrun:"
@@ -26,21 +29,6 @@ _APP_PREFIX = "jobrun:"
 _SHORT_RUN_ID = 8
 #: History statements of ``status``/``history`` give up after this long.
 _STATEMENT_TIMEOUT_MS = "30000"
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a lock right now, as far as the database shows it."""
-
-    mode: str  # "session" (advisory lock) or "lease"
-    host: str | None = None
-    pid: int | None = None
-    run_id: str | None = None
-    since: str | None = None
-    backend_pid: int | None = None
-    client_addr: str | None = None
-    application_name: str | None = None
-    expires_at: str | None = None
 
 
 @dataclass
@@ -55,6 +43,8 @@ class KeyStatus:
     last_started_at: str | None = None
     last_finished_at: str | None = None
     last_duration: float | None = None
+    #: Deadlocks in the database while the last run ran (None: not recorded).
+    last_deadlocks: int | None = None
     last_success_at: str | None = None
     typical_duration: float | None = None
     skip_streak: int = 0
@@ -68,18 +58,24 @@ class KeyStatus:
             "key": self.key,
             "lock_ids": self.lock_ids,
             "held": self.holder is not None,
-            "holder": None if self.holder is None else vars(self.holder).copy(),
+            "holder": None if self.holder is None else _holder_json(self.holder),
             "last_outcome": self.last_outcome,
             "last_exit_code": self.last_exit_code,
             "last_started_at": self.last_started_at,
             "last_finished_at": self.last_finished_at,
             "last_duration": self.last_duration,
+            "last_deadlocks": self.last_deadlocks,
             "last_success_at": self.last_success_at,
             "typical_duration": self.typical_duration,
             "skip_streak": self.skip_streak,
             "failure_streak": self.failure_streak,
             "last_skip_at": self.last_skip_at,
         }
+
+
+def _holder_json(holder: Holder) -> dict[str, object]:
+    """The holder as ``status --json`` documents it (the key is the row's own)."""
+    return {name: value for name, value in vars(holder).items() if name != "key"}
 
 
 @dataclass(frozen=True)
@@ -147,9 +143,7 @@ def _add_unknown_holders(
 def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, KeyStatus]:
     params = {"all": not labels, "keys": list(labels)}
     try:
-        with conn.transaction():
-            conn.execute(sql.RUNS_LOCAL_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
-            rows = conn.execute(sql.STATUS_HISTORY, params).fetchall()
+        rows = _read(conn, sql.STATUS_HISTORY, params)
     except errors.UndefinedTable:
         notes.append("no run history yet (the jobrun.runs table does not exist)")
         return {}
@@ -158,69 +152,78 @@ def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[
         return {}
     found: dict[str, KeyStatus] = {}
     for row in rows:
-        (label, lock_ids, outcome, exit_code, started, finished, duration, success) = row[:8]
-        typical, skip_streak, failure_streak, last_skip = row[8:]
+        label = row["key"]
         found[label] = KeyStatus(
             key=label,
-            lock_ids=[int(lock_id) for lock_id in lock_ids or []] or lock_ids_of(label),
-            last_outcome=outcome,
-            last_exit_code=exit_code,
-            last_started_at=iso(started),
-            last_finished_at=iso(finished),
-            last_duration=_seconds(duration),
-            last_success_at=iso(success),
-            typical_duration=_seconds(typical),
-            skip_streak=int(skip_streak or 0),
-            failure_streak=int(failure_streak or 0),
-            last_skip_at=iso(last_skip),
+            lock_ids=list(row["lock_ids"] or []) or lock_ids_of(label),
+            last_outcome=row["outcome"],
+            last_exit_code=row["exit_code"],
+            last_started_at=iso(row["started_at"]),
+            last_finished_at=iso(row["finished_at"]),
+            last_duration=_seconds(row["duration"]),
+            last_deadlocks=row["deadlocks"],
+            last_success_at=iso(row["last_success_at"]),
+            typical_duration=_seconds(row["typical_duration"]),
+            skip_streak=row["skip_streak"],
+            failure_streak=row["failure_streak"],
+            last_skip_at=iso(row["last_skip_at"]),
         )
     return found
+
+
+def _read(conn: Connection, query: str, params: dict[str, Any] | None = None) -> list[Row]:
+    """The rows of one read of the history, in a transaction of its own with a timeout."""
+    with conn.transaction():
+        conn.execute(sql.RUNS_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
+        return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()
 
 
 def _leases(conn: Connection, notes: list[str]) -> dict[int, tuple[str | None, Holder]]:
     """Unexpired leases by lock id, with the key label each was taken under."""
     try:
-        with conn.transaction():
-            rows = conn.execute(sql.STATUS_LEASES).fetchall()
+        rows = _read(conn, sql.STATUS_LEASES)
     except errors.UndefinedTable:
         return {}
     except errors.InsufficientPrivilege as exc:
         notes.append(f"leases not readable: {' '.join(str(exc).split())}")
         return {}
     return {
-        int(lock_id): (
-            str(label),
+        row["lock_id"]: (
+            row["key"],
             Holder(
+                key=row["key"],
                 mode="lease",
-                host=host,
-                pid=pid,
-                run_id=str(owner),
-                since=iso(acquired_at),
-                expires_at=iso(expires_at),
+                host=row["host"],
+                pid=row["pid"],
+                run_id=str(row["owner"]),
+                since=iso(row["acquired_at"]),
+                expires_at=iso(row["expires_at"]),
             ),
         )
-        for lock_id, label, owner, host, pid, acquired_at, expires_at in rows
+        for row in rows
     }
 
 
 def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
     """Granted advisory locks by lock id; the label is known for jobrun sessions only."""
     held: dict[int, tuple[str | None, Holder]] = {}
-    for lock_id, backend_pid, client_addr, app_name, backend_start, query in conn.execute(
-        sql.STATUS_ADVISORY_LOCKS
-    ).fetchall():
-        announced = announcement(query)
+    cursor = conn.cursor(row_factory=dict_row)
+    for row in cursor.execute(sql.STATUS_ADVISORY_LOCKS).fetchall():
+        lock_id: int = row["lock_id"]
+        label = _label_from_app(lock_id, row["application_name"])
+        announced = announcement(row["query"])
         holder = Holder(
+            key=label or f"lock-id:{lock_id}",
             mode="session",
             host=_str(announced.get("host")),
             pid=_int(announced.get("pid")),
             run_id=_str(announced.get("run_id")),
-            since=_str(announced.get("since")) or iso(backend_start),
-            backend_pid=_int(backend_pid),
-            client_addr=_str(client_addr),
-            application_name=_str(app_name),
+            since=_str(announced.get("since")) or iso(row["backend_start"]),
+            backend_pid=row["pid"],
+            client_addr=row["client_addr"],
+            application_name=row["application_name"],
         )
-        held.setdefault(int(lock_id), (_label_from_app(int(lock_id), app_name), holder))
+        held.setdefault(lock_id, (label, holder))
     return held
 
 
@@ -241,42 +244,41 @@ def _label_from_app(lock_id: int, app_name: object) -> str | None:
 def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
     """The newest ``limit`` rows of ``label`` (None when there is no history table yet)."""
     try:
-        with conn.transaction():
-            conn.execute(sql.RUNS_LOCAL_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
-            rows = conn.execute(sql.RUNS_OF_KEY, {"key": label, "limit": limit}).fetchall()
+        rows = _read(conn, sql.RUNS_OF_KEY, {"key": label, "limit": limit})
     except errors.UndefinedTable:
         return None
-    names = (
-        "run_id",
-        "key",
-        "lock_ids",
-        "mode",
-        "host",
-        "pid",
-        "child_pid",
-        "program",
-        "started_at",
-        "finished_at",
-        "outcome",
-        "reason",
-        "exit_code",
-        "signal",
-        "duration",
-        "streak",
-        "holder",
-    )
-    runs: list[dict[str, object]] = []
-    for row in rows:
-        run = dict(zip(names, row, strict=True))
+    for run in rows:
         run.update(
             run_id=str(run["run_id"]),
-            lock_ids=[int(lock_id) for lock_id in row[2] or []],
+            lock_ids=list(run["lock_ids"] or []),
             started_at=iso(run["started_at"]),
             finished_at=iso(run["finished_at"]),
             duration=_seconds(run["duration"]),
         )
-        runs.append(run)
-    return runs
+    return rows
+
+
+def overlapping(
+    conn: Connection, label: str, other: str, *, since: float | None, limit: int
+) -> list[dict[str, object]] | None:
+    """Runs of ``label`` whose window intersected a run of ``other``, newest first.
+
+    ``since``: only runs of ``label`` that started at most that many seconds ago.
+    One row per pair (a long run can overlap several), each side's start, end, host,
+    outcome and deadlocks, and how many seconds they overlapped. None: no history table.
+    """
+    params = {"key": label, "other": other, "since": since, "limit": limit}
+    try:
+        rows = _read(conn, sql.RUNS_OVERLAPPING, params)
+    except errors.UndefinedTable:
+        return None
+    for pair in rows:
+        for side in ("", "other_"):
+            pair[f"{side}run_id"] = str(pair[f"{side}run_id"])
+            pair[f"{side}started_at"] = iso(pair[f"{side}started_at"])
+            pair[f"{side}finished_at"] = iso(pair[f"{side}finished_at"])
+        pair["overlap"] = _seconds(pair["overlap"])
+    return rows
 
 
 # --- for people ------------------------------------------------------------------------------
@@ -294,6 +296,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
         "FINISHED",
         "DURATION",
         "TYPICAL",
+        "DEADLOCKS",
         "SKIPS",
         "FAILS",
     )
@@ -303,7 +306,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
         lines.append(
             (
                 row.key,
-                holder.mode if holder else "-",
+                (holder.mode or "-") if holder else "-",
                 _who(holder),
                 (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
                 _when(holder.since) if holder else "-",
@@ -311,6 +314,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
                 _when(row.last_finished_at),
                 _duration(row.last_duration),
                 _duration(row.typical_duration),
+                _count(row.last_deadlocks),
                 str(row.skip_streak),
                 str(row.failure_streak),
             )
@@ -321,7 +325,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
 def history_table(runs: Iterable[dict[str, Any]]) -> str:
     """An aligned table of runs, newest first."""
     lines: list[tuple[str, ...]] = [
-        ("STARTED", "OUTCOME", "EXIT", "DURATION", "HOST", "PID", "RUN", "NOTE")
+        ("STARTED", "OUTCOME", "EXIT", "DURATION", "DEADLOCKS", "HOST", "PID", "RUN", "NOTE")
     ]
     for run in runs:
         note = run["reason"] or run["signal"] or ""
@@ -338,6 +342,7 @@ def history_table(runs: Iterable[dict[str, Any]]) -> str:
                 str(run["outcome"]),
                 "-" if run["exit_code"] is None else str(run["exit_code"]),
                 _duration(run["duration"]),
+                _count(run["deadlocks"]),
                 str(run["host"]),
                 str(run["pid"]),
                 str(run["run_id"])[:_SHORT_RUN_ID],
@@ -345,6 +350,35 @@ def history_table(runs: Iterable[dict[str, Any]]) -> str:
             )
         )
     return _align(lines)
+
+
+def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:
+    """An aligned table of overlapping runs, one line per pair, newest first."""
+    lines: list[tuple[str, ...]] = [
+        ("STARTED", "FINISHED", "HOST", "OUTCOME", "DEADLOCKS", "OVERLAP",
+         "OTHER STARTED", "OTHER FINISHED", "OTHER HOST", "OTHER OUTCOME", "OTHER DEADLOCKS")
+    ]  # fmt: skip
+    lines.extend(
+        (
+            _when(pair["started_at"]),
+            _when(pair["finished_at"]),
+            str(pair["host"]),
+            str(pair["outcome"]),
+            _count(pair["deadlocks"]),
+            _duration(pair["overlap"]),
+            _when(pair["other_started_at"]),
+            _when(pair["other_finished_at"]),
+            str(pair["other_host"]),
+            str(pair["other_outcome"]),
+            _count(pair["other_deadlocks"]),
+        )
+        for pair in pairs
+    )
+    return _align(lines)
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _align(lines: Sequence[tuple[str, ...]]) -> str:
@@ -386,8 +420,8 @@ def _duration(seconds: float | None) -> str:
     return format_seconds(round(seconds, 1) if seconds < 60 else seconds)  # noqa: PLR2004 - a minute
 
 
-def _seconds(value: object) -> float | None:
-    return None if value is None else round(float(str(value)), 3)
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _str(value: object) -> str | None:

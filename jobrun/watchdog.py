@@ -66,6 +66,11 @@ class Watchdog:
         """Why the lock can no longer be vouched for (None: it can), asked before spawning."""
         if self.lost is not None:
             return self.lost
+        # The lock session broke under another statement (a history call shares it): the
+        # heartbeat would say so at its next check, but the child must not start meanwhile.
+        known = self._lock.known_lost()
+        if known is not None:
+            return known
         if time.monotonic() >= self.stop_at:
             return "the lock could not be confirmed in time (no heartbeat answer)"
         return None

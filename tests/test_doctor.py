@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
-from jobrun import history
 from jobrun.cli.ops import register
 from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.history.calls import ensure_schema
 from support import jobrun_cli
 from support.pgserver import create_database, drop_database
 
@@ -153,7 +153,7 @@ class TestSchemaAndPrivileges:
     def test_missing_privileges_on_runs_are_a_warn(self, doctor, fresh_dsn, role):
         """jobrun.runs readable but not writable: WARN naming what is missing."""
         with psycopg.connect(fresh_dsn, autocommit=True) as conn:
-            history.ensure_schema(conn)
+            ensure_schema(conn)
         limited = role(
             fresh_dsn,
             "GRANT USAGE ON SCHEMA jobrun TO {role}",

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobrun import db, history, keys, log, metrics
-from jobrun.history import HistoryConfig
+from jobrun import db, keys, log, metrics
+from jobrun.history.config import HistoryConfig
+from jobrun.history.notify import NoHistory, Notifier
+from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
 from support import jobrun_cli
 
@@ -171,11 +173,11 @@ class TestFile:
 
 
 @pytest.fixture
-def recorder_for(dsn, key, events) -> Callable[..., history.Recorder]:
+def recorder_for(dsn, key, events) -> Callable[..., Recorder]:
     """``make(metrics_file) -> Recorder`` for this test's key."""
 
-    def make(metrics_file: str) -> history.Recorder:
-        return history.Recorder(
+    def make(metrics_file: str) -> Recorder:
+        return Recorder(
             db.Target(dsn=dsn),
             Identity(run_id=str(uuid.uuid4()), host="host-a", pid=1),
             keys.resolve((key,), ()),
@@ -214,7 +216,11 @@ class TestRecorders:
         """--no-history still writes metrics."""
         path = tmp_path / "m.prom"
         config = HistoryConfig(metrics_file=str(path))
-        null = history.NullRecorder(keys.resolve((key,), ()), config=config, log=events.log)
+        identity = Identity(run_id=str(uuid.uuid4()))
+        notifier = Notifier(
+            key, [keys.lock_id_for(key)], identity, mode="session", config=config, log=events.log
+        )
+        null = NoHistory(notifier)
         null.exec_failed(127)
         values = read(path, key)
         assert values["jobrun_last_outcome{exec_failed}"] == 1

@@ -18,7 +18,8 @@ from psycopg.conninfo import make_conninfo
 from jobrun import db, keys, log
 from jobrun.cli.ops import register
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
-from jobrun.history import HistoryConfig, Recorder
+from jobrun.history.config import HistoryConfig
+from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
 from support import jobrun_cli
 from support.jobrun_cli import wait_for_file
@@ -37,6 +38,7 @@ STATUS_FIELDS = {
     "last_exit_code",
     "last_started_at",
     "last_finished_at",
+    "last_deadlocks",
     "last_duration",
     "last_success_at",
     "typical_duration",
@@ -71,6 +73,7 @@ HISTORY_FIELDS = {
     "exit_code",
     "signal",
     "duration",
+    "deadlocks",
     "streak",
     "holder",
 }
@@ -301,7 +304,8 @@ class TestStatusFromHistory:
         """Skips followed by a started run: skip streak 0."""
         record().skipped("locked", {"holder_run_id": str(uuid.uuid4())}, 75)
         running = record()
-        running.started(1)  # written in the background: finished() waits for it
+        running.acquired(None)  # the running row, as a run that took the lock writes it
+        running.started(1)
         running.finished("succeeded", 0, None, 1.0)
         assert one_status(ops, dsn, key)["skip_streak"] == 0
 
@@ -376,6 +380,7 @@ class TestHistoryCommand:
             "OUTCOME",
             "EXIT",
             "DURATION",
+            "DEADLOCKS",
             "HOST",
             "PID",
             "RUN",

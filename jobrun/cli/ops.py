@@ -6,6 +6,7 @@ import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
+from jobrun.exitcodes import UsageError
 
 
 def register(group: click.Group) -> None:
@@ -61,22 +62,58 @@ def status_command(
     show_default=True,
     help="Show this many runs, newest first.",
 )
+@click.option(
+    "--overlapping",
+    "other_label",
+    metavar="OTHER",
+    help="Only runs of KEY that overlapped a run of OTHER: both sides, and for how long.",
+)
+@click.option(
+    "--since",
+    type=options.Duration(),
+    metavar="DURATION",
+    help="With --overlapping: only runs of KEY that started within this long, e.g. 30d.",
+)
 @options.database
 @options.as_json
-def history_command(
-    key_label: str, limit: int, dsn: str, connect_timeout: float, as_json: bool
+def history_command(  # noqa: PLR0917 - click passes one parameter per option
+    key_label: str,
+    limit: int,
+    other_label: str | None,
+    since: float | None,
+    dsn: str,
+    connect_timeout: float,
+    as_json: bool,
 ) -> int:
-    """Recent runs and skips of KEY: outcome, exit code, duration, host, pid, start.
+    """Recent runs and skips of KEY: outcome, exit code, duration, deadlocks, host, start.
 
     KEY is a run's label as status prints it: a key name, lock-id:N, or several joined by
-    commas.
+    commas. With --overlapping OTHER: the runs of KEY whose window intersected a run of
+    OTHER, one line per pair, newest first (the nights two jobs ran at once).
     """
     import json
 
     from jobrun import db, keys, status
 
     keys.validate_label(key_label)
+    if other_label is not None:
+        keys.validate_label(other_label)
+    elif since is not None:
+        raise UsageError("--since goes with --overlapping")
     where = options.target(dsn, connect_timeout)
+    if other_label is not None:
+        with (
+            db.connect(where, app_name="jobrun-history") as conn,
+            db.translate_errors(where, "reading the history"),
+        ):
+            pairs = status.overlapping(conn, key_label, other_label, since=since, limit=limit)
+        if as_json:
+            click.echo(json.dumps(pairs or [], indent=2, default=str))
+        elif pairs:
+            click.echo(status.overlap_table(pairs))
+        else:
+            click.echo(f"no run of {key_label} overlapped a run of {other_label}")
+        return 0
     with (
         db.connect(where, app_name="jobrun-history") as conn,
         db.translate_errors(where, "reading the history"),

@@ -16,8 +16,10 @@ from jobrun.exitcodes import Exit, UsageError
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun import db, history
-    from jobrun.locks import Identity
+    from jobrun import db
+    from jobrun.history.notify import NoHistory
+    from jobrun.history.recorder import Recorder
+    from jobrun.locks import Identity, Lock
 
 STDERR = 2
 #: Variables of the run's keys, and the option each stands for.
@@ -47,6 +49,7 @@ class Settings(NamedTuple):
     no_history: bool
     keep: int
     alert_after: int
+    alert_repeat: float
     on_alert: str | None
     metrics_file: str | None
     log_format: str
@@ -162,6 +165,15 @@ class Settings(NamedTuple):
     help="Error line (and --on-alert) after N skips or failures in a row; 0 disables.",
 )
 @options.option(
+    "--alert-repeat",
+    envvar="JOBRUN_ALERT_REPEAT",
+    type=options.Duration(minimum="1s", why="a streak alerts again at most this often"),
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="While a streak lasts, alert again at most this often (then once: recovered).",
+)
+@options.option(
     "--on-alert",
     envvar="JOBRUN_ON_ALERT",
     metavar="CMD",
@@ -197,6 +209,7 @@ def cli(
     no_history: bool,
     keep: int,
     alert_after: int,
+    alert_repeat: float,
     on_alert: str | None,
     metrics_file: str | None,
     log_format: str,
@@ -251,6 +264,7 @@ def cli(
         no_history=no_history,
         keep=keep,
         alert_after=alert_after,
+        alert_repeat=alert_repeat,
         on_alert=on_alert,
         metrics_file=metrics_file,
         log_format=log_format,
@@ -287,7 +301,7 @@ def _keys(
 def _run(argv: tuple[str, ...], settings: Settings) -> int:
     """Hand a validated run over to the runner (which imports the heavy parts)."""
     from jobrun import log, runner
-    from jobrun.locks import Identity, Lock, new_run_id
+    from jobrun.locks import Identity, new_run_id
 
     run_keys = settings.run_keys
     target = options.target(settings.dsn, settings.connect_timeout, warn=False)
@@ -329,16 +343,6 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
         min_hold=settings.min_hold,
         once_per=settings.once_per,
     )
-    recorder = _recorder(settings, target, identity, program=argv[0], log=bound)
-    if log_file_error is not None:
-        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
-    # Only now that every option is known to be valid: a usage error is one line, alone.
-    if settings.dsn_on_command_line and target.has_password:
-        bound.warning(
-            "password_on_command_line",
-            hint="a password in --dsn is visible to every user in ps; "
-            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
-        )
     lock: Lock
     if settings.mode == "lease":
         from jobrun.locks import lease
@@ -357,6 +361,16 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
             heartbeat=settings.heartbeat,
             kill_after=settings.kill_after,
         )
+    recorder = _recorder(settings, target, identity, program=argv[0], log=bound, lock=lock)
+    if log_file_error is not None:
+        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
+    # Only now that every option is known to be valid: a usage error is one line, alone.
+    if settings.dsn_on_command_line and target.has_password:
+        bound.warning(
+            "password_on_command_line",
+            hint="a password in --dsn is visible to every user in ps; "
+            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
+        )
     return runner.run(
         job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
     )
@@ -369,24 +383,41 @@ def _recorder(
     *,
     program: str,
     log: FilteringBoundLogger,
-) -> history.Recorder | history.NullRecorder:
-    """The run's history recorder (a null one with --no-history, which still writes metrics)."""
+    lock: Lock,
+) -> Recorder | NoHistory:
+    """The run's history recorder (a null one with --no-history, which still writes metrics).
+
+    Session mode: the history goes over the lock session (one server session per run).
+    """
     from pathlib import Path
 
-    from jobrun import alerts, history
+    from jobrun import alerts
+    from jobrun.history import notify, recorder
+    from jobrun.history.config import HistoryConfig
+    from jobrun.locks.session import SessionLock
 
-    config = history.HistoryConfig(
+    config = HistoryConfig(
         keep=settings.keep,
         alert_after=settings.alert_after,
+        alert_repeat=settings.alert_repeat,
         on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
         metrics_file=settings.metrics_file,
-        # WARNING: history is written while the lock is held and unwatched (right after the
-        # acquisition): in lease mode it must never outlast half of what the lease vouches.
+        # WARNING: a history call holds the lock session (and so the heartbeat) up: its
+        # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
+        # in lease mode it must never outlast half of what a renewal vouches for.
         timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
     )
     if settings.no_history:
-        return history.NullRecorder(settings.run_keys, config=config, log=log)
-    return history.Recorder(
+        notifier = notify.Notifier(
+            keys.describe(settings.run_keys),
+            [key.lock_id for key in settings.run_keys],
+            identity,
+            mode=settings.mode,
+            config=config,
+            log=log,
+        )
+        return notify.NoHistory(notifier)
+    return recorder.Recorder(
         target,
         identity,
         settings.run_keys,
@@ -395,4 +426,5 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
+        shared=lock if isinstance(lock, SessionLock) else None,
     )

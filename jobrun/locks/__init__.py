@@ -30,9 +30,14 @@ class Identity:
 
 @dataclass(frozen=True)
 class Holder:
-    """Whoever holds a lock we wanted; every field is optional (privileges, foreign holders)."""
+    """Whoever holds a lock: a run that skipped names it, ``status`` shows it.
+
+    Every field but the key is optional (privileges, foreign holders); ``mode`` is how it
+    holds the lock (``session`` or ``lease``) where that is said.
+    """
 
     key: str
+    mode: str | None = None
     host: str | None = None
     pid: int | None = None
     run_id: str | None = None
@@ -79,4 +84,8 @@ class Lock(Protocol):
 
     def release(self) -> None:
         """Give the lock back; never raises."""
+        ...
+
+    def known_lost(self) -> str | None:
+        """Why the lock is gone, when that is known without asking the server (else None)."""
         ...

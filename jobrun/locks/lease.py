@@ -232,6 +232,10 @@ class LeaseLock:
                 note="the lease expires on its own after --ttl",
             )
 
+    def known_lost(self) -> str | None:
+        """A lease's loss only shows when a renewal fails: nothing is known in between."""
+        return None
+
 
 def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     """Create the jobrun schema and tables, once, even when 50 first runs race for it."""

@@ -71,6 +71,8 @@ class SessionLock:
             ensure_ascii=True,
         ).replace("*", "")
         self._comment = f"/* jobrun-holder {announcement} */ "
+        #: The same, for statements that others (the history) send on this session.
+        self.comment = self._comment
         self._app_name = db.application_name(describe(keys))
         self.confirmed_at = 0.0
 
@@ -209,11 +211,49 @@ class SessionLock:
                 f"the server no longer shows our advisory lock ({held} of {len(self._held)} held)"
             )
 
-    def pause(self, seconds: float, stop_fd: int) -> None:
-        """Wait, but wake at once when the server talks (it says FATAL before it hangs up)."""
+    def known_lost(self) -> str | None:
+        """The lock session broke (a history call on it failed): the server freed our keys."""
         conn = self._conn
-        fds = [stop_fd] if conn is None or conn.closed else [stop_fd, conn.fileno()]
-        select.select(fds, [], [], max(0.0, seconds))
+        if self._held and (conn is None or conn.closed or conn.broken):
+            return "the lock session broke"
+        return None
+
+    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        """The lock session, for the run's history calls (the run's one server session).
+
+        WARNING: a caller must send each of its calls as one message that ends its own
+        transaction (as ``history.calls`` does): psycopg's connection lock then keeps the
+        heartbeat's check from interleaving with it, and the session is never left idle in
+        a transaction (where the server's idle timeouts would end it, and the lock with it).
+        """
+        return self._conn
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """Wait, but wake at once when the server talks (it says FATAL before it hangs up).
+
+        The session also carries the run's history calls: while one is reading its answer
+        (it holds the connection's lock) the socket is readable for it, not for us, and
+        waking would cost a spurious check. Then wait for that call to end (its statement
+        timeout bounds it) and go on waiting.
+        """
+        deadline = time.monotonic() + max(0.0, seconds)
+        while True:
+            conn = self._conn
+            if conn is None or conn.closed:
+                select.select([stop_fd], [], [], max(0.0, deadline - time.monotonic()))
+                return
+            ready, _, _ = select.select(
+                [stop_fd, conn.fileno()], [], [], max(0.0, deadline - time.monotonic())
+            )
+            if not ready or stop_fd in ready:
+                return
+            if conn.lock.acquire(blocking=False):  # nobody else is talking: the server is
+                conn.lock.release()
+                return
+            if conn.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                conn.lock.release()
+            if time.monotonic() >= deadline:
+                return
 
     def interrupt(self) -> None:
         """Unblock a check stuck on a dead network by shutting the socket down under it."""

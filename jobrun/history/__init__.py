@@ -1,0 +1,1 @@
+"""Run history in ``jobrun.runs``: config, database calls, run rows, alerts (one module each)."""

@@ -1,0 +1,189 @@
+"""History calls: a few statements as one message, on the lock session or a connection."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psycopg
+from psycopg import errors
+from psycopg.rows import dict_row
+
+from jobrun import db, sql
+from jobrun.exitcodes import JobrunError
+from jobrun.locks.lease import SCHEMA_LOCK_ID
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from structlog.typing import FilteringBoundLogger
+
+    Connection = psycopg.Connection[Any]
+    Rows = list[dict[str, Any]]
+
+#: A connection of the history's own gives up connecting after this long.
+CONNECT_TIMEOUT = 5.0
+#: A call on the lock session with no answer this long after its timeout: the network is
+#: silent (the server would have cancelled the statement), so the session is cut.
+SILENCE_GRACE = 2.0
+
+
+class SharedSession(Protocol):
+    """The lock session, lent to the history (``locks.session.SessionLock``)."""
+
+    #: Who holds the lock, as a SQL comment: every statement on the session starts with it,
+    #: so that a run finding the lock held can name us from pg_stat_activity.query.
+    comment: str
+
+    def connection(self) -> Connection | None:
+        """The session's connection (None: there is none)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Cut the session's socket, so that whatever waits on it fails now."""
+        ...
+
+
+def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
+    """Create (or bring up to date) ``jobrun.runs`` once, even when 50 first runs race for it.
+
+    One message, one implicit transaction: the transaction-scoped advisory lock serializes
+    the racers, and an error rolls everything back (the connection is never left inside a
+    transaction).
+    """
+    psycopg.ClientCursor(conn).execute(
+        sql.RUNS_TIMEOUTS + ";\n" + sql.RUNS_SCHEMA_LOCK + ";\n" + sql.RUNS_SCHEMA,
+        {"ms": str(timeout_ms), "schema_lock": SCHEMA_LOCK_ID},
+    )
+
+
+class Calls:
+    """Sends history calls; never raises for database trouble, says it once, then gives up.
+
+    ``shared`` lends the lock session (session mode: the run's one server session, shared
+    with the heartbeat). Each call is ONE message of a few statements, which the server runs
+    as one implicit transaction: psycopg's connection lock is held for the whole exchange, so
+    the heartbeat's check waits for at most the call's timeout and never lands inside it, and
+    the session is never left idle in a transaction. Without ``shared`` (lease mode, which
+    holds no connection between statements) each call connects on its own.
+
+    The call's timeout is split between its statements (``statement_timeout`` and
+    ``lock_timeout``, local to the transaction): a history stuck behind a table lock gives up
+    within ``timeout`` and hands the session back to the heartbeat well within its deadline.
+    """
+
+    def __init__(
+        self,
+        target: db.Target,
+        *,
+        app_name: str,
+        timeout: float,
+        log: FilteringBoundLogger,
+        shared: SharedSession | None = None,
+    ) -> None:
+        self._target = dataclasses.replace(
+            target, connect_timeout=min(target.connect_timeout, CONNECT_TIMEOUT)
+        )
+        self._app_name = app_name
+        self._timeout = timeout
+        self._log = log
+        self._shared = shared
+        self._warned = False
+        #: Calls that failed, and whether the database is given up on for this run.
+        self.failures = 0
+        self.gave_up = False
+        #: Messages sent and server sessions opened (the shared session is not counted).
+        self.round_trips = 0
+        self.sessions = 0
+
+    def run(
+        self, during: str, statements: Sequence[str], params: Mapping[str, object]
+    ) -> list[Rows] | None:
+        """The rows of each statement, or None (warned) when the history is unavailable.
+
+        A missing table or column (a fresh database, an older jobrun's table) is created
+        and the call sent again, once.
+        """
+        if self.gave_up:
+            return None
+        try:
+            return self._on_connection(statements, params)
+        except JobrunError as exc:  # from db.connect: unreachable or refused
+            self.gave_up = True
+            self._failed(during, str(exc))
+        except psycopg.Error as exc:
+            # A broken connection costs time (or is the lock session gone): never twice.
+            if isinstance(exc, psycopg.OperationalError) and not isinstance(
+                exc, errors.QueryCanceled | errors.LockNotAvailable
+            ):
+                self.gave_up = True
+            self._failed(during, db.one_line(exc, self._target))
+        return None
+
+    def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
+        if self._shared is None:
+            self.sessions += 1
+            self.round_trips += 1  # the connection's own start-up exchange
+            with db.connect(self._target, app_name=self._app_name) as own:
+                return self._send(own, statements, params)
+        conn = self._shared.connection()
+        if conn is None or conn.closed or conn.broken:
+            raise psycopg.OperationalError("the lock session is closed")
+        # WARNING: on a silent network (nothing answers, nothing tells the kernel) this call,
+        # or the heartbeat check it waits for, would never return: past the call's timeout
+        # the socket is cut, as the heartbeat's own watchdog does. A thread per call, but
+        # only a timer that is cancelled as soon as the answer is in.
+        cutter = threading.Timer(self._timeout + SILENCE_GRACE, self._shared.interrupt)
+        cutter.daemon = True
+        cutter.start()
+        try:
+            return self._send(conn, statements, params, prefix=self._shared.comment)
+        finally:
+            cutter.cancel()
+
+    def _send(
+        self,
+        conn: Connection,
+        statements: Sequence[str],
+        params: Mapping[str, object],
+        *,
+        prefix: str = "",
+    ) -> list[Rows]:
+        share_ms = max(1, int(self._timeout * 1000 / len(statements)))
+        # Bound on the client: a percent sign in the prefix (a host name) must be doubled.
+        message = prefix.replace("%", "%%") + ";\n".join((sql.RUNS_TIMEOUTS, *statements))
+        values = {**params, "ms": str(share_ms)}
+        try:
+            self.round_trips += 1
+            return _results(conn, message, values)
+        except (errors.UndefinedTable, errors.UndefinedColumn):
+            self.round_trips += 2
+            ensure_schema(conn, timeout_ms=int(self._timeout * 1000))
+            return _results(conn, message, values)
+
+    def _failed(self, during: str, error: str) -> None:
+        self.failures += 1
+        if self._warned:
+            self._log.debug("history_failed", during=during, error=error)
+            return
+        self._warned = True
+        self._log.warning(
+            "history_failed",
+            during=during,
+            error=error,
+            note="the job goes on; this run may be missing from the history",
+        )
+
+
+def _results(conn: Connection, message: str, values: Mapping[str, object]) -> list[Rows]:
+    """Send ``message`` (bound on the client: one simple-protocol message) and read each set.
+
+    The first set (the timeouts) is left out.
+    """
+    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
+    cursor.execute(message, values)
+    results: list[Rows] = []
+    while cursor.nextset():
+        results.append(cursor.fetchall() if cursor.description else [])
+    return results

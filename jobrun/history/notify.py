@@ -1,0 +1,151 @@
+"""What a run tells the outside: ``--metrics-file``, streak alerts and their ``--on-alert`` hook."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from jobrun import metrics
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun.history.config import HistoryConfig
+    from jobrun.locks import Identity
+
+
+class Notifier:
+    """Writes the metrics file and raises alerts (error line + hook) for one run."""
+
+    def __init__(
+        self,
+        label: str,
+        lock_ids: list[int],
+        identity: Identity,
+        *,
+        mode: str,
+        config: HistoryConfig,
+        log: FilteringBoundLogger,
+        environ: Mapping[str, str] | None = None,
+        secrets: tuple[str, ...] = (),
+    ) -> None:
+        self._label = label
+        self._lock_ids = lock_ids
+        self._identity = identity
+        self._mode = mode
+        self._config = config
+        self._log = log
+        self._environ = environ
+        self._secrets = secrets
+        self._started = time.time()
+        self._pending: list[dict[str, object]] = []
+
+    def metrics(
+        self,
+        outcome: str,
+        exit_code: int,
+        duration: float | None,
+        *,
+        skip_streak: int | None = None,
+        failure_streak: int | None = None,
+    ) -> None:
+        """Write ``--metrics-file`` (streaks None: counted on from the file's values)."""
+        if not self._config.metrics_file:
+            return
+        sample = metrics.Sample(
+            key=self._label,
+            outcome=outcome,
+            exit_code=exit_code,
+            started=self._started,
+            finished=time.time(),
+            duration=duration,
+            skip_streak=skip_streak,
+            failure_streak=failure_streak,
+        )
+        metrics.write(self._config.metrics_file, sample, self._log)
+
+    def alert(self, name: str, fields: dict[str, object], *, defer: bool = False) -> None:
+        """Log a streak at error level (``recovered``: warning) and hand it to the hook.
+
+        ``defer`` keeps the hook (it may take up to ``alert_timeout``) for ``flush``.
+        """
+        emit = self._log.warning if name == "recovered" else self._log.error
+        emit(name, **fields)
+        if not self._config.on_alert:
+            return
+        event: dict[str, object] = {
+            "event": name,
+            "key": self._label,
+            "lock_ids": self._lock_ids,
+            "run_id": self._identity.run_id,
+            "host": self._identity.host,
+            "pid": self._identity.pid,
+            "mode": self._mode,
+            **fields,
+        }
+        if defer:
+            self._pending.append(event)
+        else:
+            self._run_hook(event)
+
+    def flush(self) -> None:
+        """Run the hooks that ``alert(defer=True)`` kept back."""
+        pending, self._pending = self._pending, []
+        for event in pending:
+            self._run_hook(event)
+
+    def _run_hook(self, event: dict[str, object]) -> None:
+        if not self._config.on_alert:
+            return
+        from jobrun import alerts  # noqa: PLC0415 - only a run with --on-alert needs it
+
+        alerts.deliver(
+            self._config.on_alert,
+            event,
+            timeout=self._config.alert_timeout,
+            log=self._log,
+            environ=self._environ,
+            secrets=self._secrets,
+        )
+
+
+class NoHistory:
+    """The recorder of a run without history: nothing in the database, metrics if asked."""
+
+    def __init__(self, notifier: Notifier | None = None) -> None:
+        self._notifier = notifier
+
+    def acquired(self, once_per: float | None) -> dict[str, object] | None:  # noqa: ARG002 - the Recorder's interface
+        """Without history there is no earlier run to know about."""
+        return None
+
+    def started(self, child_pid: int | None) -> None:
+        """Nothing to record."""
+
+    def finished(
+        self,
+        outcome: str,
+        exit_code: int,
+        signal: str | None,  # noqa: ARG002 - the Recorder's interface
+        duration: float,
+        *,
+        defer_alerts: bool = False,  # noqa: ARG002 - the Recorder's interface
+    ) -> None:
+        """Write the metrics (streaks counted on from the file's previous values)."""
+        if self._notifier is not None:
+            self._notifier.metrics(outcome, exit_code, duration)
+
+    def skipped(self, reason: str, holder_fields: Mapping[str, object], exit_code: int) -> None:  # noqa: ARG002 - the Recorder's interface
+        """Write the metrics (streaks counted on from the file's previous values)."""
+        if self._notifier is not None:
+            self._notifier.metrics("skipped", exit_code, None)
+
+    def exec_failed(self, exit_code: int) -> None:
+        """Write the metrics."""
+        if self._notifier is not None:
+            self._notifier.metrics("exec_failed", exit_code, 0.0)
+
+    def flush(self) -> None:
+        """Nothing is ever deferred."""

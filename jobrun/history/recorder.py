@@ -1,0 +1,289 @@
+"""A run's rows in ``jobrun.runs``: acquired, finished or skipped; abandoned runs; streaks."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from psycopg.types.json import Jsonb
+
+from jobrun import db, sql
+from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.history.calls import Calls, SharedSession
+from jobrun.history.config import FAILURES, holder_ref, iso
+from jobrun.history.notify import Notifier
+from jobrun.keys import Key, describe
+
+if TYPE_CHECKING:
+    import datetime as dt
+    from collections.abc import Mapping
+
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun.history.config import HistoryConfig
+    from jobrun.locks import Identity
+
+
+class Recorder:
+    """Writes a run's history rows and raises streak alerts; never raises, never blocks long.
+
+    A run costs two history calls (one message each): ``acquired`` (mark dead runs
+    abandoned, check ``--once-per``, insert our ``running`` row, note the database's deadlock
+    count, claim skip streaks that ended) and ``finished`` (the outcome, the failure streak,
+    the deadlocks during the run, pruning). A skip costs one. With ``shared`` (session mode)
+    they go over the lock session: no other server session is ever opened. The first failure
+    in a run is one ``history_failed`` warning (later ones are debug lines).
+    """
+
+    def __init__(
+        self,
+        target: db.Target,
+        identity: Identity,
+        keys: tuple[Key, ...],
+        *,
+        mode: str,
+        program: str,
+        config: HistoryConfig,
+        log: FilteringBoundLogger,
+        environ: Mapping[str, str] | None = None,
+        shared: SharedSession | None = None,
+    ) -> None:
+        label = describe(keys)
+        self._config = config
+        self._log = log
+        self._calls = Calls(
+            target,
+            app_name=db.application_name(label),
+            timeout=config.timeout,
+            log=log,
+            shared=shared,
+        )
+        self.notifier = Notifier(
+            label,
+            [key.lock_id for key in keys],
+            identity,
+            mode=mode,
+            config=config,
+            log=log,
+            environ=environ,
+            secrets=target.secrets,
+        )
+        self._row: dict[str, object] = {
+            "run_id": identity.run_id,
+            "key": label,
+            "lock_ids": [key.lock_id for key in keys],
+            "mode": mode,
+            "host": identity.host,
+            "pid": identity.pid,
+            # WARNING: the program name only; arguments can carry secrets.
+            "program": program,
+            "keep": config.keep,
+            "alert_after": config.alert_after,
+            "repeat": config.alert_repeat,
+        }
+        self._created = time.monotonic()
+        self._acquired_at: dt.datetime | None = None
+        self._deadlocks_at_start: int | None = None
+        self._child_pid: int | None = None
+
+    @property
+    def calls(self) -> Calls:
+        """The database calls made so far (round trips, sessions opened, failures)."""
+        return self._calls
+
+    def acquired(self, once_per: float | None) -> dict[str, object] | None:
+        """Called right after the lock is taken: mark abandoned runs, insert our running row.
+
+        With ``once_per`` (seconds), return the run (run_id, host, pid, started_at, outcome,
+        window_start) that makes this one redundant: the runner then skips with reason
+        ``already_ran``. Raises LockStoreUnavailable (``history_unavailable``) when
+        ``once_per`` is given and the history cannot be read and written: whether this
+        window already had its run is then unknown, and the promise is to fail closed.
+        """
+        result = self._calls.run(
+            "checking earlier runs",
+            (sql.RUNS_ABANDON, sql.RUNS_ALREADY_RAN, sql.RUNS_ACQUIRED, sql.RUNS_SKIPS_RECOVERED),
+            {**self._row, "window": once_per},
+        )
+        if result is None:
+            if once_per is not None:
+                raise LockStoreUnavailable(
+                    "--once-per: the run history cannot be read and written, so whether "
+                    "this window already had its run is unknown",
+                    reason="history_unavailable",
+                )
+            return None
+        abandoned, earlier, ours, recovered = result
+        for run in abandoned:
+            self._log.warning(
+                "abandoned_run",
+                abandoned_run_id=str(run["run_id"]),
+                abandoned_key=run["key"],
+                abandoned_host=run["host"],
+                abandoned_pid=run["pid"],
+                abandoned_started_at=iso(run["started_at"]),
+                note="still marked running, but its lock is ours now: it died (lease "
+                "mode: or its lease expired)",
+            )
+        for streak in recovered:
+            self._recovered("skip_streak", streak["count"], streak["since"], streak["ended"])
+        if ours:
+            # The run's start on the database's clock is when it took the lock: the
+            # --once-per window a run belongs to must not depend on how long spawning took.
+            self._acquired_at = ours[0]["started_at"]
+            self._deadlocks_at_start = ours[0]["deadlocks"]
+        if not earlier:
+            return None
+        found = earlier[0]
+        return {
+            "run_id": str(found["run_id"]),
+            "host": found["host"],
+            "pid": found["pid"],
+            "started_at": iso(found["started_at"]),
+            "outcome": found["outcome"],
+            "window_start": iso(found["window_start"]),
+        }
+
+    def started(self, child_pid: int | None) -> None:
+        """Remember the child's pid for the end of the run (the running row already exists)."""
+        self._child_pid = child_pid
+
+    def finished(
+        self,
+        outcome: str,
+        exit_code: int,
+        signal: str | None,
+        duration: float,
+        *,
+        defer_alerts: bool = False,
+    ) -> None:
+        """Record how the run ended, prune, raise or end a failure-streak alert, write metrics.
+
+        Call it before the lock is released: until then our row says ``running``, and the
+        next run would take us for a dead one. ``defer_alerts`` keeps the alert hook (it
+        may take up to ``alert_timeout``) for ``flush()``, to be called after the release.
+        """
+        params = {
+            **self._row,
+            "outcome": outcome,
+            "exit_code": exit_code,
+            "signal": signal,
+            "duration": duration,
+            "child_pid": self._child_pid,
+            "started_at": self._acquired_at,
+            "failed": outcome in FAILURES,
+            "deadlocks_at_start": self._deadlocks_at_start,
+        }
+        result = self._calls.run("recording the end", (sql.RUNS_FINISH, sql.RUNS_PRUNE), params)
+        row = result[0][0] if result else None
+        self.notifier.metrics(
+            outcome,
+            exit_code,
+            duration,
+            skip_streak=0,
+            failure_streak=row["streak"] if row else None,
+        )
+        self._log_calls()
+        if row is None:
+            return
+        if row["deadlocks"]:
+            self._log.warning(
+                "deadlocks_during_run",
+                count=row["deadlocks"],
+                note="deadlocks in this database (any session's) while the run ran",
+            )
+        if row["alert"]:
+            fields: dict[str, object] = {
+                "count": row["streak"],
+                "since": iso(row["streak_since"]),
+                "threshold": self._config.alert_after,
+                "outcome": outcome,
+                "exit_code": exit_code,
+                "signal": signal,
+            }
+            self.notifier.alert("failure_streak", fields, defer=defer_alerts)
+        if row["recovered_count"]:
+            self._recovered(
+                "failure_streak",
+                row["recovered_count"],
+                row["recovered_since"],
+                row["finished_at"],
+                defer=defer_alerts,
+            )
+
+    def skipped(self, reason: str, holder_fields: Mapping[str, object], exit_code: int) -> None:
+        """Record a skip (``locked`` or ``already_ran``), prune, maybe alert, write metrics.
+
+        A ``locked`` skip extends this host's streak behind the same holder. It alerts when
+        it reaches ``alert_after``, then at most every ``alert_repeat`` while it lasts, from
+        whichever host of a fleet is first (the time of the last alert is in the database).
+        """
+        params = {
+            **self._row,
+            "reason": reason,
+            "locked": reason == "locked",
+            "exit_code": exit_code,
+            "duration": round(time.monotonic() - self._created, 3),
+            "holder_ref": holder_ref(holder_fields) if reason == "locked" else None,
+            "holder": Jsonb(dict(holder_fields), dumps=_json_dumps) if holder_fields else None,
+        }
+        result = self._calls.run(
+            "recording the skip",
+            (sql.RUNS_SKIP_SERIALIZE, sql.RUNS_SKIP, sql.RUNS_PRUNE),
+            params,
+        )
+        row = result[1][0] if result else None
+        self.notifier.metrics(
+            "skipped", exit_code, None, skip_streak=row["streak"] if row else None
+        )
+        self._log_calls()
+        if row is not None and row["alert"]:
+            fields: dict[str, object] = {
+                "count": row["streak"],
+                "since": iso(row["streak_since"]),
+                "threshold": self._config.alert_after,
+                "reason": reason,
+                "exit_code": exit_code,
+                **holder_fields,
+            }
+            self.notifier.alert("skip_streak", fields)
+
+    def exec_failed(self, exit_code: int) -> None:
+        """The command could not be started: a finished run with outcome ``exec_failed``."""
+        self.finished("exec_failed", exit_code, None, 0.0)
+
+    def flush(self) -> None:
+        """Run the alert hooks that were deferred until the lock was released."""
+        self.notifier.flush()
+
+    def _recovered(
+        self,
+        streak: str,
+        count: int,
+        since: dt.datetime | None,
+        ended: dt.datetime | None,
+        *,
+        defer: bool = True,
+    ) -> None:
+        """A streak that alerted is over: say so once, with how long it lasted."""
+        lasted = (ended - since).total_seconds() if ended and since else None
+        fields: dict[str, object] = {
+            "streak": streak,
+            "count": count,
+            "since": iso(since),
+            "duration": None if lasted is None else round(lasted, 3),
+        }
+        self.notifier.alert("recovered", fields, defer=defer)
+
+    def _log_calls(self) -> None:
+        self._log.debug(
+            "history_calls",
+            round_trips=self._calls.round_trips,
+            sessions=self._calls.sessions,
+            failures=self._calls.failures,
+        )
+
+
+def _json_dumps(value: object) -> str:
+    return json.dumps(value, default=str)

@@ -1,0 +1,217 @@
+"""Helpers and fixtures of the run-history tests: recorders, rows, hooks, limited roles."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import dict_row
+
+from jobrun import db, keys, log
+from jobrun.history.calls import ensure_schema
+from jobrun.history.config import HistoryConfig
+from jobrun.history.recorder import Recorder
+from jobrun.locks import Identity
+from support.pgserver import create_database, drop_database
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping
+    from pathlib import Path
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+class Captured:
+    """A real jobrun logger writing JSON lines to a file, and the events written so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.log = log.configure(fmt="json", level="info", fd=self._fd)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        lines = self.path.read_text().splitlines()
+        found = [json.loads(line) for line in lines if line.strip()]
+        return [e for e in found if name is None or e["event"] == name]
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.fixture
+def captured(tmp_path) -> Iterator[Captured]:
+    """Events logged by the recorders of a test."""
+    capture = Captured(tmp_path / "events.jsonl")
+    yield capture
+    capture.close()
+
+
+@pytest.fixture
+def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
+    """A database of this test's own, without the jobrun schema."""
+    name = f"jobrun_fresh_{uuid.uuid4().hex[:12]}"
+    create_database(pg_admin_dsn, name)
+    try:
+        yield make_conninfo(pg_admin_dsn, dbname=name)
+    finally:
+        drop_database(pg_admin_dsn, name)
+
+
+@dataclass
+class Lent:
+    """A connection lent to a recorder as the lock session is."""
+
+    conn: psycopg.Connection[Any]
+    comment: str = "/* jobrun-holder {} */ "
+
+    def connection(self) -> psycopg.Connection[Any]:
+        return self.conn
+
+    def interrupt(self) -> None:
+        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class Run:
+    """A Recorder with the run id and key label it records under."""
+
+    recorder: Recorder
+    run_id: str
+    label: str
+    dsn: str
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.recorder, name)
+
+    def running(self, child_pid: int = 1) -> None:
+        """Take the lock as a run does: acquired() writes the running row, then the child."""
+        self.recorder.acquired(None)
+        self.recorder.started(child_pid)
+
+
+@pytest.fixture
+def make_recorder(dsn, key, captured) -> Callable[..., Run]:
+    """``make(host=..., config=..., ...) -> Run`` for this test's key, a new run id each."""
+
+    def make(
+        *,
+        host: str = "host-a",
+        pid: int = 4242,
+        config: HistoryConfig | None = None,
+        names: tuple[str, ...] = (key,),
+        target_dsn: str | None = None,
+        mode: str = "session",
+        program: str = "backup.sh",
+        environ: Mapping[str, str] | None = None,
+        shared: psycopg.Connection[Any] | None = None,
+    ) -> Run:
+        identity = Identity(run_id=str(uuid.uuid4()), host=host, pid=pid)
+        run_keys = keys.resolve(names, ())
+        recorder = Recorder(
+            db.Target(dsn=target_dsn if target_dsn is not None else dsn),
+            identity,
+            run_keys,
+            mode=mode,
+            program=program,
+            config=config or HistoryConfig(),
+            # As the CLI does: every line names the run.
+            log=captured.log.bind(run_id=identity.run_id, host=host, pid=pid),
+            environ=environ,
+            shared=None if shared is None else Lent(shared),
+        )
+        return Run(
+            recorder,
+            identity.run_id,
+            keys.describe(run_keys),
+            target_dsn if target_dsn is not None else dsn,
+        )
+
+    return make
+
+
+def rows_of(dsn: str, label: str) -> list[dict[str, Any]]:
+    """Every history row of ``label``, newest first (none while there is no table)."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        try:
+            return conn.execute(
+                "SELECT * FROM jobrun.runs WHERE key = %s ORDER BY started_at DESC", (label,)
+            ).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return []
+
+
+def row_of(dsn: str, run_id: str) -> dict[str, Any]:
+    """The history row of one run."""
+    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+        row = conn.execute("SELECT * FROM jobrun.runs WHERE run_id = %s", (run_id,)).fetchone()
+    assert row is not None, f"no row for run {run_id}"
+    return row
+
+
+def table_exists(dsn: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT to_regclass('jobrun.runs') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+def holder(run_id: str, host: str = "holder-host") -> dict[str, object]:
+    """Skip fields as the runner passes them for a jobrun holder."""
+    return {"holder_run_id": run_id, "holder_host": host, "holder_pid": 99}
+
+
+def hook(path: Path) -> tuple[str, ...]:
+    """An --on-alert hook that appends its stdin and JOBRUN_ALERT_* variables to ``path``."""
+    body = (
+        "import json, os, sys\n"
+        "data = sys.stdin.read()\n"
+        "env = {k: v for k, v in os.environ.items() if k.startswith('JOBRUN_ALERT_')}\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    f.write(json.dumps({'stdin': data, 'env': env}) + '\\n')\n"
+    )
+    return (sys.executable, "-c", body, str(path))
+
+
+def hook_calls(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def role(dsn, pg_admin_dsn) -> Iterator[Callable[..., str]]:
+    """``make(*grants) -> dsn``: a login role of this test's own with only the given grants."""
+    made: list[tuple[str, str]] = []
+
+    def make(*grants: str, database_dsn: str | None = None) -> str:
+        name = f"jobrun_role_{uuid.uuid4().hex[:10]}"
+        target = database_dsn or dsn
+        made.append((name, target))
+        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(name)))
+        with psycopg.connect(target, autocommit=True) as conn:
+            for grant in grants:
+                conn.execute(pgsql.SQL(grant).format(role=pgsql.Identifier(name)))
+        return make_conninfo(target, user=name)
+
+    yield make
+    for name, target in made:
+        with psycopg.connect(target, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(name)))
+        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(name)))
+
+
+def ensure_runs_table(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ensure_schema(conn)

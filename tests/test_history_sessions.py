@@ -1,0 +1,294 @@
+"""What history costs a run on the server: sessions, round trips; what it records: deadlocks."""
+
+# ruff: noqa: F811 - the fixtures come from support.history
+
+from __future__ import annotations
+
+import sys
+
+import psycopg
+import pytest
+
+from support import jobrun_cli
+from support.history import ensure_runs_table, fresh_dsn, row_of, rows_of  # noqa: F401
+from support.jobrun_cli import event, wait_for_file, wait_until
+
+
+class SessionCounter:
+    """Counts the server sessions established to one database (pg_stat_database, PG14+).
+
+    It is made (and its own session established) before the sessions it counts.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        if self.conn.info.server_version < 140000:
+            pytest.skip("pg_stat_database.sessions needs PostgreSQL 14")
+        self._start = self._ended()
+
+    def _others(self) -> int:
+        row = self.conn.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def _ended(self) -> int:
+        self.conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = self.conn.execute(
+            "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    def ended_since_start(self, expected: int) -> int:
+        """Sessions established since the counter was made, once every other one is gone.
+
+        A session's count is reported a moment after it began: wait for ``expected`` (or
+        more) to show, then report what shows.
+        """
+        wait_until(lambda: self._others() == 0, what="every other session to end")
+        wait_until(
+            lambda: self._ended() - self._start >= expected, what=f"{expected} sessions counted"
+        )
+        return self._ended() - self._start
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def debug_event(stderr: str, name: str) -> dict[str, object]:
+    return event(stderr, name)
+
+
+class TestOneSessionPerRun:
+    """Session mode: a run and a skip each use the lock session and nothing else."""
+
+    def test_a_run_with_history_opens_one_session(self, fresh_dsn, key):
+        """A guarded run with history (the table exists): one server session, 2 history calls."""
+        ensure_runs_table(fresh_dsn)
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run(
+                "--key", key, "--log-level", "debug", "--", "true", dsn=fresh_dsn
+            )
+            assert result.returncode == 0, result.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+        calls = event(result.stderr, "history_calls")
+        print(f"run: history round trips {calls['round_trips']}, sessions {calls['sessions']}")
+        assert (calls["round_trips"], calls["sessions"]) == (2, 0)
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"]
+
+    def test_a_first_run_on_a_fresh_database_opens_one_session(self, fresh_dsn, key):
+        """Creating the table on the way costs round trips, never a session."""
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run("--key", key, "--", "true", dsn=fresh_dsn)
+            assert result.returncode == 0, result.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"]
+
+    def test_a_skip_opens_one_session(self, fresh_dsn, key, tmp_path):
+        """A skip names the holder and records the skip over its one session."""
+        ensure_runs_table(fresh_dsn)
+        marker = tmp_path / "child"
+        holder = jobrun_cli.start(
+            "--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=fresh_dsn
+        )
+        try:
+            wait_for_file(marker)
+            counter = SessionCounter(fresh_dsn)
+            try:
+                result = jobrun_cli.run(
+                    "--key", key, "--log-level", "debug", "--", "true", dsn=fresh_dsn
+                )
+                assert result.returncode == 75, result.stderr
+                jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+                # The holder's session was established before the count began.
+                assert counter.ended_since_start(1) == 1
+            finally:
+                counter.close()
+        finally:
+            if holder.poll() is None:
+                jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        assert event(result.stderr, "skipped")["holder_pid"] == holder.pid
+        calls = event(result.stderr, "history_calls")
+        print(f"skip: history round trips {calls['round_trips']}, sessions {calls['sessions']}")
+        assert (calls["round_trips"], calls["sessions"]) == (1, 0)
+        skips = [row for row in rows_of(fresh_dsn, key) if row["outcome"] == "skipped"]
+        assert len(skips) == 1
+
+    def test_a_once_per_skip_opens_one_session(self, fresh_dsn, key):
+        """--once-per: the check, the skip and its row, all on the lock session."""
+        ensure_runs_table(fresh_dsn)
+        first = jobrun_cli.run("--key", key, "--once-per", "1d", "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run("--key", key, "--once-per", "1d", "--", "true", dsn=fresh_dsn)
+            assert result.returncode == 75, result.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+
+
+class TestLeaseModeSessions:
+    """Lease mode holds no connection between statements: its figures, pinned."""
+
+    def test_a_lease_run_and_a_lease_skip(self, fresh_dsn, key, tmp_path):
+        """A run before its first renewal: take, history start, history end, release (4).
+
+        A skip: the attempt (which names the holder) and the skip row (2).
+        """
+        first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # the schema exists from here on
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+            assert result.returncode == 0, result.stderr
+            run_sessions = counter.ended_since_start(4)
+        finally:
+            counter.close()
+        marker = tmp_path / "child"
+        # No renewal while the skip is counted: its first heartbeat is an hour away.
+        holder = jobrun_cli.start(
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            *jobrun_cli.holder_marker(marker), dsn=fresh_dsn,
+        )  # fmt: skip
+        try:
+            wait_for_file(marker)
+            counter = SessionCounter(fresh_dsn)
+            try:
+                skip = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+                assert skip.returncode == 75, skip.stderr
+                skip_sessions = counter.ended_since_start(2)
+            finally:
+                counter.close()
+        finally:
+            jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        print(f"lease mode: run {run_sessions} sessions, skip {skip_sessions} sessions")
+        assert (run_sessions, skip_sessions) == (4, 2)
+
+
+DEADLOCK_CHILD = """
+import sys, threading, psycopg
+dsn = sys.argv[1]
+def count(conn):
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    return conn.execute(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()[0]
+watch = psycopg.connect(dsn, autocommit=True)
+before = count(watch)
+setup = psycopg.connect(dsn, autocommit=True)
+setup.execute("CREATE TABLE IF NOT EXISTS dl (id int PRIMARY KEY)")
+setup.execute("INSERT INTO dl VALUES (1), (2) ON CONFLICT DO NOTHING")
+a, b = psycopg.connect(dsn), psycopg.connect(dsn)
+a.execute("UPDATE dl SET id = id WHERE id = 1")
+b.execute("UPDATE dl SET id = id WHERE id = 2")
+errors = []
+def cross(conn, row):
+    try:
+        conn.execute("UPDATE dl SET id = id WHERE id = %s", (row,))
+    except psycopg.errors.DeadlockDetected as exc:
+        errors.append(exc)
+        conn.rollback()
+        if conn.info.server_version >= 150000:
+            # Report the count now, not at the next stats interval.
+            conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.rollback()
+t = threading.Thread(target=cross, args=(a, 2))
+t.start()
+while not setup.execute(
+    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    " AND datname = current_database()"
+).fetchone()[0]:
+    pass
+cross(b, 1)
+t.join()
+a.rollback(); b.rollback(); a.close(); b.close()
+assert len(errors) == 1, errors
+# The event, not a sleep: the counter shows it once the victim's backend reported it.
+while count(watch) <= before:
+    pass
+print("deadlocked")
+"""
+
+
+class TestDeadlocksPerRun:
+    """Each run records the deadlocks in its database while it ran."""
+
+    def test_a_deadlock_during_the_run_is_counted_and_shown(self, fresh_dsn, key):
+        """A real deadlock between two of the child's sessions: deadlocks 1 in the row,
+        in history --json and the table, in status --json; a quiet run after it: 0."""
+        result = jobrun_cli.run(
+            "--key", key, "--", sys.executable, "-c", DEADLOCK_CHILD, fresh_dsn, dsn=fresh_dsn
+        )
+        assert result.returncode == 0, result.stderr
+        assert event(result.stderr, "deadlocks_during_run")["count"] == 1
+        assert rows_of(fresh_dsn, key)[0]["deadlocks"] == 1
+        quiet = jobrun_cli.run("--key", key, "--", "true", dsn=fresh_dsn)
+        assert quiet.returncode == 0, quiet.stderr
+        history = jobrun_cli.run("history", key, "--json", dsn=fresh_dsn)
+        assert [run["deadlocks"] for run in _json(history.stdout)] == [0, 1]
+        table = jobrun_cli.run("history", key, dsn=fresh_dsn).stdout.splitlines()
+        assert "DEADLOCKS" in table[0]
+        status = jobrun_cli.run("status", key, "--json", dsn=fresh_dsn)
+        assert _json(status.stdout)[0]["last_deadlocks"] == 0
+
+
+def _json(text: str) -> list[dict[str, object]]:
+    import json  # noqa: PLC0415
+
+    return json.loads(text)
+
+
+class TestOverlapping:
+    """history KEY --overlapping OTHER: the runs of two keys that overlapped, from real runs."""
+
+    def test_only_the_runs_that_overlapped(self, fresh_dsn, key, tmp_path):
+        """A's run overlaps B's first run, not its second: one pair, both sides named."""
+        other = f"{key}-other"
+        marker, go = tmp_path / "a-running", tmp_path / "go"
+        script = f'echo ran > "{marker}"; while [ ! -e "{go}" ]; do sleep 0.05; done'
+        a = jobrun_cli.start("--key", key, "--", "sh", "-c", script, dsn=fresh_dsn)
+        wait_for_file(marker)
+        during = jobrun_cli.run("--key", other, "--", "true", dsn=fresh_dsn)
+        assert during.returncode == 0, during.stderr
+        go.write_text("go")
+        _, a_stderr = a.communicate(timeout=60)
+        assert a.returncode == 0, a_stderr
+        after = jobrun_cli.run("--key", other, "--", "true", dsn=fresh_dsn)
+        assert after.returncode == 0, after.stderr
+        result = jobrun_cli.run(
+            "history", key, "--overlapping", other, "--since", "1h", "--json", dsn=fresh_dsn
+        )
+        assert result.returncode == 0, result.stderr
+        (pair,) = _json(result.stdout)
+        assert pair["run_id"] == event(a_stderr, "started")["run_id"]
+        assert pair["other_run_id"] == event(during.stderr, "started")["run_id"]
+        assert (pair["outcome"], pair["other_outcome"]) == ("succeeded", "succeeded")
+        assert pair["overlap"] >= 0
+        assert pair["deadlocks"] == 0
+        table = jobrun_cli.run("history", key, "--overlapping", other, dsn=fresh_dsn)
+        assert len(table.stdout.splitlines()) == 2
+        reverse = jobrun_cli.run("history", other, "--overlapping", key, "--json", dsn=fresh_dsn)
+        assert [p["run_id"] for p in _json(reverse.stdout)] == [pair["other_run_id"]]
+
+    def test_no_overlap_says_so(self, fresh_dsn, key):
+        """Two keys that never ran at once: an empty list, exit 0."""
+        for label in (key, f"{key}-other"):
+            assert jobrun_cli.run("--key", label, "--", "true", dsn=fresh_dsn).returncode == 0
+        result = jobrun_cli.run(
+            "history", key, "--overlapping", f"{key}-other", "--json", dsn=fresh_dsn
+        )
+        assert (result.returncode, _json(result.stdout)) == (0, [])
+
+    def test_since_without_overlapping_is_a_usage_error(self, fresh_dsn, key):
+        """--since alone: exit 64, one line."""
+        result = jobrun_cli.run("history", key, "--since", "1d", dsn=fresh_dsn)
+        assert result.returncode == 64
+        assert len(result.stderr.strip().splitlines()) == 1
