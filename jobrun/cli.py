@@ -226,6 +226,33 @@ def _heartbeat(value: str | None) -> float | None:
     metavar="PATH",
     help="Prometheus textfile written after each run or skip ({key} is replaced).",
 )
+# --- operators: --ping, --ping-timeout, --keep-output, --fence (jobrun.ping/tail/fence) ---
+@click.option(
+    "--ping",
+    envvar="JOBRUN_PING",
+    metavar="URL",
+    help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip.",
+)
+@click.option(
+    "--ping-timeout",
+    envvar="JOBRUN_PING_TIMEOUT",
+    default="5s",
+    show_default=True,
+    metavar="DURATION",
+    help="Longest one ping may take, retries included (never changes the exit status).",
+)
+@click.option(
+    "--keep-output",
+    envvar="JOBRUN_KEEP_OUTPUT",
+    metavar="SIZE",
+    help="Keep the last SIZE bytes (e.g. 16KiB) of stdout and stderr of failed runs.",
+)
+@click.option(
+    "--fence",
+    envvar="JOBRUN_FENCING",
+    is_flag=True,
+    help="Give the child a fencing token in JOBRUN_FENCE (greater than any earlier one).",
+)
 @log_options
 @click.pass_context
 def cli(ctx: click.Context, /, **options: Any) -> int | None:
@@ -307,12 +334,13 @@ def _timing(o: dict[str, Any]) -> _Timing:
     )
 
 
-def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
+def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:  # noqa: C901 - the operators' wiring, in a marked block
     """Validate everything, then hand over to the runner (which imports the heavy parts)."""
     run_keys = keys.resolve(o["key_names"], o["lock_ids"])
     timing = _timing(o)
+    extras = _operators(o)  # --- operators
 
-    from jobrun import db, log, runner
+    from jobrun import db, history, log, runner
     from jobrun.locks import Identity, Lock, new_run_id
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
@@ -382,9 +410,75 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
             heartbeat=timing.heartbeat,
             kill_after=timing.kill_after,
         )
-    return runner.run(
-        job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+    # --- operators: --ping, --keep-output, --fence ---
+    pinger, capture, fencer = None, None, None
+    if extras.ping_url:
+        from jobrun import ping
+
+        pinger = ping.Pinger(
+            extras.ping_url, identity.run_id, timeout=extras.ping_timeout, log=bound
+        )
+    if extras.keep_output:
+        from jobrun import tail
+
+        capture = tail.Capture(extras.keep_output)
+        if isinstance(recorder, history.Recorder):
+            recorder.output = capture  # the alert hook's event carries the tails
+    if o["fence"]:
+        from jobrun import fence
+
+        fence_lock = lock
+
+        def fencer() -> int:
+            return fence.issue(target, fence_lock, app_name="jobrun-fence", log=bound)
+
+    status = runner.run(
+        job,
+        lock=lock,
+        identity=identity,
+        environ=os.environ,
+        log=bound,
+        recorder=recorder,
+        pinger=pinger,
+        capture=capture,
+        fencer=fencer if o["fence"] else None,
     )
+    # After the release: neither the history of the output nor the monitor holds the lock.
+    if capture is not None and capture.used and status != 0 and not o["no_history"]:
+        tail.store(target, identity.run_id, capture, log=bound)
+    if pinger is not None:
+        used = capture is not None and capture.used
+        pinger.finish(
+            status,
+            capture.stdout_tail if capture is not None and used else b"",
+            capture.stderr_tail if capture is not None and used else b"",
+        )
+    return status
+
+
+class _Operators(NamedTuple):
+    """Validated --ping, --ping-timeout and --keep-output."""
+
+    ping_url: str | None
+    ping_timeout: float
+    keep_output: int
+
+
+def _operators(o: dict[str, Any]) -> _Operators:
+    """Check the operators' options (usage errors: exit 64) before anything runs."""
+    from jobrun import ping, tail
+
+    url = ping.parse_url(o["ping"]) if o["ping"] is not None else None
+    ping_timeout = durations.parse(o["ping_timeout"], option="--ping-timeout")
+    if ping_timeout <= 0:
+        raise UsageError("--ping-timeout must be longer than 0")
+    keep = tail.parse_size(o["keep_output"]) if o["keep_output"] is not None else 0
+    if keep and o["no_history"] and url is None:
+        raise UsageError(
+            "--keep-output keeps the tails in the run history and sends them with --ping: "
+            "drop --no-history or add --ping"
+        )
+    return _Operators(ping_url=url, ping_timeout=ping_timeout, keep_output=keep)
 
 
 def _recorder(

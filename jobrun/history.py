@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.locks import Identity
+    from jobrun.tail import Capture
 
     Connection = psycopg.Connection[tuple[Any, ...]]
 
@@ -246,6 +247,8 @@ class Recorder:
         self._start_call: _Call[Any] | None = None
         self._in_flight: psycopg.Connection[tuple[Any, ...]] | None = None
         self._in_flight_lock = threading.Lock()
+        #: --keep-output (operators): the alert hook's event carries the output tails.
+        self.output: Capture | None = None
 
     # --- the interface the runner calls -------------------------------------------------------
 
@@ -610,6 +613,10 @@ class Recorder:
             "mode": self._row["mode"],
             **fields,
         }
+        if self.output is not None and self.output.used:  # --- operators: --keep-output
+            from jobrun import tail  # noqa: PLC0415 - only runs that keep output
+
+            event.update(tail.fields(self.output, limit=tail.ALERT_LIMIT))
         if defer:
             self._pending.append(event)
         else:

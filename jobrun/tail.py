@@ -26,6 +26,9 @@ MAX_SIZE = 1024 * 1024
 #: Once the child is gone, how long we still read from processes that left its group (a
 #: daemon started with setsid) and keep its stdout or stderr open. Then we stop reading.
 DRAIN_GRACE = 1.0
+#: Most bytes of each tail in an ``--on-alert`` event: it is also passed in the environment,
+#: and one variable may hold 128 KiB at most (the hook would not start).
+ALERT_LIMIT = 4096
 #: Bytes per read: the memory a read takes, whatever the length of the child's lines.
 _CHUNK = 65536
 _UNITS = {
