@@ -599,6 +599,39 @@ def demo_command(dsn: str) -> int:
         raise UsageError(str(exc)) from None
 
 
+# --- operators: jobrun show RUN_ID (the output tails kept by --keep-output) ---
+@cli.command("show")
+@click.argument("run_id")
+@db_options
+def show_command(run_id: str, dsn: str, connect_timeout: str) -> int:
+    """Print the output tails a failed run kept (--keep-output), by its run id.
+
+    The run id is in every event line of the run (run_id) and in `jobrun history`.
+    Bytes that are not UTF-8 are shown as U+FFFD. Exit 1 if the run kept no output.
+    """
+    import uuid
+
+    from jobrun import db, tail
+
+    try:
+        run_id = str(uuid.UUID(run_id))
+    except ValueError:
+        raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
+    target = db.Target(
+        dsn=dsn, connect_timeout=durations.parse(connect_timeout, option="--connect-timeout")
+    )
+    with (
+        db.connect(target, app_name="jobrun-show") as conn,
+        db.translate_errors(target, "reading the run"),
+    ):
+        run = tail.read(conn, run_id)
+    if run is None:
+        click.echo(f"jobrun: no run {run_id} in the history", err=True)
+        return 1
+    click.echo(tail.render(run), nl=False)
+    return 0 if run["stdout"] is not None or run["stderr"] is not None else 1
+
+
 def _register_operations() -> None:
     from jobrun import ops_cli, overlap_cli
 
