@@ -74,6 +74,22 @@ def with_path(url: str, suffix: str, run_id: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, query, ""))
 
 
+def _split_userinfo(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without ``user:password@`` (which urllib cannot send), and its Basic auth header."""
+    import base64  # noqa: PLC0415 - only with --ping
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    netloc = parts.netloc.rpartition("@")[2]
+    token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), {
+        "Authorization": f"Basic {token}"
+    }
+
+
 def body(stdout: bytes, stderr: bytes) -> bytes:
     """The end ping's body: the tail of each stream, under a header line each."""
     out, err = stdout[-BODY_STREAM_LIMIT:], stderr[-BODY_STREAM_LIMIT:]
@@ -92,6 +108,8 @@ class _Ping:
     body: bytes
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
+    #: Set by whoever reports the ping's failure first (the sender, or finish() giving up).
+    reported: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Pinger:
@@ -109,7 +127,7 @@ class Pinger:
         import urllib.request  # noqa: PLC0415 - only runs with --ping load the HTTP client
 
         self._request = urllib.request
-        self.url = url
+        self.url, self._auth = _split_userinfo(url)
         self.run_id = run_id
         self.timeout = timeout
         self._log = log
@@ -136,7 +154,9 @@ class Pinger:
         else:
             content = body(stdout, stderr) if (stdout or stderr) else b""
             ping = self._enqueue(str(status), content)
-        ping.done.wait(max(0.0, ping.deadline - time.monotonic()))
+        if not ping.done.wait(max(0.0, ping.deadline - time.monotonic())):
+            # Still queued behind a hung start ping, or in flight: we go, it is abandoned.
+            self._failed(ping, f"no answer within {self.timeout:g}s", attempts=None)
 
     def _enqueue(self, kind: str, content: bytes) -> _Ping:
         ping = _Ping(kind, content, time.monotonic() + self.timeout)
@@ -180,12 +200,18 @@ class Pinger:
             pause = min(BACKOFF * 2 ** (attempt - 1), ping.deadline - time.monotonic())
             if pause > 0 and attempt < ATTEMPTS:
                 time.sleep(pause)
+        self._failed(ping, error, attempts=attempt)
+
+    def _failed(self, ping: _Ping, error: str | None, *, attempts: int | None) -> None:
+        """One ``ping_failed`` warning per ping, whoever notices first."""
+        if not ping.reported.acquire(blocking=False):
+            return
         self._log.warning(
             "ping_failed",
             ping=ping.kind,
             url=mask(self.url),
             error=error,
-            attempts=attempt,
+            attempts=attempts,
             timeout=self.timeout,
             note="the run's exit status is unchanged",
         )
@@ -199,6 +225,7 @@ class Pinger:
             headers={
                 "User-Agent": f"jobrun/{__version__}",
                 "Content-Type": "text/plain; charset=utf-8",
+                **self._auth,
             },
         )
         try:
