@@ -465,14 +465,28 @@ class _Operators(NamedTuple):
 
 
 def _operators(o: dict[str, Any]) -> _Operators:
-    """Check the operators' options (usage errors: exit 64) before anything runs."""
-    from jobrun import ping, tail
+    """Check the operators' options (usage errors: exit 64) before anything runs.
 
-    url = ping.parse_url(o["ping"]) if o["ping"] is not None else None
+    Their modules are imported only when their option is given: the run path stays lean.
+    """
+    url = None
+    if o["ping"] is not None:
+        from jobrun import ping
+
+        url = ping.parse_url(o["ping"])
     ping_timeout = durations.parse(o["ping_timeout"], option="--ping-timeout")
     if ping_timeout <= 0:
         raise UsageError("--ping-timeout must be longer than 0")
-    keep = tail.parse_size(o["keep_output"]) if o["keep_output"] is not None else 0
+    keep = 0
+    if o["keep_output"] is not None:
+        from jobrun import tail
+
+        keep = tail.parse_size(o["keep_output"])
+    if o["fence"] and o["on_db_error"] == "run":
+        raise UsageError(
+            "--fence with --on-db-error run: a run without the database has no fencing "
+            "token; drop one of them"
+        )
     if keep and o["no_history"] and url is None:
         raise UsageError(
             "--keep-output keeps the tails in the run history and sends them with --ping: "

@@ -172,6 +172,17 @@ class TestEndToEnd:
         )  # fmt: skip
         assert proc.stdout == "None\n"
 
+    def test_fence_with_on_db_error_run_is_a_usage_error(self, dsn, key, tmp_path):
+        """An unguarded run would have no token: refused, one line, exit 64."""
+        marker = tmp_path / "ran"
+        proc = cli.run(
+            "--key", key, "--fence", "--on-db-error", "run", "--", "touch", str(marker), dsn=dsn
+        )  # fmt: skip
+        assert proc.returncode == 64
+        assert proc.stderr.count("\n") == 1
+        assert "--fence" in proc.stderr
+        assert not marker.exists()
+
     def test_a_token_that_cannot_be_taken_keeps_the_child_from_starting(
         self, fresh_dsn, key, tmp_path
     ):
