@@ -334,13 +334,15 @@ def _timing(o: dict[str, Any]) -> _Timing:
     )
 
 
-def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:  # noqa: C901 - the operators' wiring, in a marked block
+def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int:
     """Validate everything, then hand over to the runner (which imports the heavy parts)."""
     run_keys = keys.resolve(o["key_names"], o["lock_ids"])
     timing = _timing(o)
-    extras = _operators(o)  # --- operators
+    from jobrun import operators  # --- operators
 
-    from jobrun import db, history, log, runner
+    extras = operators.validate(o)  # --- operators
+
+    from jobrun import db, log, runner
     from jobrun.locks import Identity, Lock, new_run_id
 
     target = db.Target(dsn=o["dsn"], connect_timeout=timing.connect_timeout)
@@ -410,28 +412,9 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int: 
             heartbeat=timing.heartbeat,
             kill_after=timing.kill_after,
         )
-    # --- operators: --ping, --keep-output, --fence ---
-    pinger, capture, fencer = None, None, None
-    if extras.ping_url:
-        from jobrun import ping
-
-        pinger = ping.Pinger(
-            extras.ping_url, identity.run_id, timeout=extras.ping_timeout, log=bound
-        )
-    if extras.keep_output:
-        from jobrun import tail
-
-        capture = tail.Capture(extras.keep_output)
-        if isinstance(recorder, history.Recorder):
-            recorder.output = capture  # the alert hook's event carries the tails
-    if o["fence"]:
-        from jobrun import fence
-
-        fence_lock = lock
-
-        def fencer() -> int:
-            return fence.issue(target, fence_lock, app_name="jobrun-fence", log=bound)
-
+    wired = operators.Extras(  # --- operators
+        extras, target=target, lock=lock, identity=identity, recorder=recorder, log=bound
+    )
     status = runner.run(
         job,
         lock=lock,
@@ -439,60 +422,12 @@ def _run(argv: tuple[str, ...], *, dsn_on_command_line: bool, **o: Any) -> int: 
         environ=os.environ,
         log=bound,
         recorder=recorder,
-        pinger=pinger,
-        capture=capture,
-        fencer=fencer if o["fence"] else None,
+        pinger=wired.pinger,  # --- operators
+        capture=wired.capture,  # --- operators
+        fencer=wired.fencer,  # --- operators
     )
-    # After the release: neither the history of the output nor the monitor holds the lock.
-    if capture is not None and capture.used and status != 0 and not o["no_history"]:
-        tail.store(target, identity.run_id, capture, log=bound)
-    if pinger is not None:
-        used = capture is not None and capture.used
-        pinger.finish(
-            status,
-            capture.stdout_tail if capture is not None and used else b"",
-            capture.stderr_tail if capture is not None and used else b"",
-        )
+    wired.after(status)  # --- operators: output tail and end ping, after the release
     return status
-
-
-class _Operators(NamedTuple):
-    """Validated --ping, --ping-timeout and --keep-output."""
-
-    ping_url: str | None
-    ping_timeout: float
-    keep_output: int
-
-
-def _operators(o: dict[str, Any]) -> _Operators:
-    """Check the operators' options (usage errors: exit 64) before anything runs.
-
-    Their modules are imported only when their option is given: the run path stays lean.
-    """
-    url = None
-    if o["ping"] is not None:
-        from jobrun import ping
-
-        url = ping.parse_url(o["ping"])
-    ping_timeout = durations.parse(o["ping_timeout"], option="--ping-timeout")
-    if ping_timeout <= 0:
-        raise UsageError("--ping-timeout must be longer than 0")
-    keep = 0
-    if o["keep_output"] is not None:
-        from jobrun import tail
-
-        keep = tail.parse_size(o["keep_output"])
-    if o["fence"] and o["on_db_error"] == "run":
-        raise UsageError(
-            "--fence with --on-db-error run: a run without the database has no fencing "
-            "token; drop one of them"
-        )
-    if keep and o["no_history"] and url is None:
-        raise UsageError(
-            "--keep-output keeps the tails in the run history and sends them with --ping: "
-            "drop --no-history or add --ping"
-        )
-    return _Operators(ping_url=url, ping_timeout=ping_timeout, keep_output=keep)
 
 
 def _recorder(
