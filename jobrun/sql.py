@@ -550,3 +550,9 @@ RUNS_TAIL = """
 SELECT run_id, key, host, outcome, exit_code, started_at, stdout_tail, stderr_tail
 FROM jobrun.runs WHERE run_id = %(run_id)s
 """
+
+#: The run without tails, in a history that never kept any (the columns do not exist yet).
+RUNS_TAIL_NONE = """
+SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""

@@ -293,14 +293,17 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
 
 
 def read(conn: psycopg.Connection[tuple[object, ...]], run_id: str) -> Mapping[str, object] | None:
-    """The run ``run_id`` with its tails (None: no such run, or no output kept anywhere)."""
+    """The run ``run_id`` with its tails, None where not kept (None: no such run)."""
     from psycopg import errors  # noqa: PLC0415
 
     from jobrun import sql  # noqa: PLC0415
 
     try:
-        row = conn.execute(sql.RUNS_TAIL, {"run_id": run_id}).fetchone()
-    except (errors.UndefinedTable, errors.UndefinedColumn):
+        try:
+            row = conn.execute(sql.RUNS_TAIL, {"run_id": run_id}).fetchone()
+        except errors.UndefinedColumn:  # no run ever kept output here
+            row = conn.execute(sql.RUNS_TAIL_NONE, {"run_id": run_id}).fetchone()
+    except errors.UndefinedTable:
         return None
     if row is None:
         return None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import socket
+import string
 import subprocess
 import sys
 import threading
@@ -16,6 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jobrun import log, ping
 from jobrun.exitcodes import UsageError
@@ -169,6 +173,25 @@ class TestUrl:
         with pytest.raises(UsageError) as raised:
             ping.parse_url(url)
         _no_secret(str(raised.value))
+
+
+class TestMaskProperty:
+    @given(
+        user=st.text(alphabet=string.ascii_letters + string.digits, min_size=1, max_size=8),
+        password=st.text(alphabet=string.ascii_letters + "!$&'()*+,;=", min_size=1, max_size=8),
+        path=st.text(alphabet=string.ascii_letters + string.digits + "-_/", max_size=40),
+        query=st.text(alphabet=string.ascii_letters + "=&", max_size=12),
+    )
+    def test_mask_shows_nothing_but_scheme_host_and_port(self, user, password, path, query):
+        """Whatever the userinfo, path and query, the masked URL is scheme://host:port/***."""
+        url = f"https://{user}:{password}@hc-ping.example:8443/{SECRET}/{path}?{query}"
+        assert ping.mask(url) == "https://hc-ping.example:8443/***"
+
+    @given(st.text(max_size=60))
+    def test_any_text_is_a_url_or_a_usage_error(self, text):
+        """parse_url never fails in any other way (no traceback for a bad --ping)."""
+        with contextlib.suppress(UsageError):
+            ping.parse_url(text)
 
 
 class TestPinger:

@@ -8,16 +8,19 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from psycopg.conninfo import make_conninfo
 
 from jobrun import tail
 from jobrun.exitcodes import UsageError
 from support import jobrun_cli as cli
+from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -349,6 +352,20 @@ class TestEndToEnd:
         event = json.loads(received.read_text())
         assert event["event"] == "failure_streak"
         assert (event["stdout_tail"], event["stderr_tail"]) == ("out\n", "err\n")
+
+    def test_show_in_a_history_that_never_kept_output(self, pg_admin_dsn, key):
+        """No tail columns yet: show finds the run, says nothing was kept, exits 1."""
+        name = f"jobrun_tail_{uuid.uuid4().hex[:12]}"
+        create_database(pg_admin_dsn, name)
+        try:
+            fresh = make_conninfo(pg_admin_dsn, dbname=name)
+            proc = cli.run("--key", key, "--", "false", dsn=fresh)
+            assert proc.returncode == 1, proc.stderr
+            shown = cli.run("show", _run_id(proc.stderr), dsn=fresh)
+        finally:
+            drop_database(pg_admin_dsn, name)
+        assert shown.returncode == 1
+        assert "--- stdout: not kept" in shown.stdout
 
     @pytest.mark.parametrize(
         "args",
