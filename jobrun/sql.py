@@ -645,3 +645,37 @@ WHERE application_name = ANY(%(names)s)
   AND datid = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND pid <> pg_backend_pid()
 """
+
+# --- operators: fencing tokens, kept output ----------------------------------------------------
+
+#: One sequence for every key: a token is greater than every token handed out before it,
+#: whichever key, host or lock mode took it. CACHE 1 (the default, spelled out): a session
+#: that cached values would hand out numbers smaller than ones another session already used.
+FENCE_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE SEQUENCE IF NOT EXISTS jobrun.fence AS bigint MINVALUE 1 NO CYCLE CACHE 1;
+"""
+
+FENCE_NEXT = "SELECT nextval('jobrun.fence')"
+
+#: The output tails of a run, in its history row (nullable: only runs that kept output).
+RUNS_TAIL_COLUMNS = """
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stdout_tail bytea;
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
+"""
+
+RUNS_STORE_TAIL = """
+UPDATE jobrun.runs SET stdout_tail = %(stdout)s, stderr_tail = %(stderr)s
+WHERE run_id = %(run_id)s
+"""
+
+RUNS_TAIL = """
+SELECT run_id, key, host, outcome, exit_code, started_at, stdout_tail, stderr_tail
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""
+
+#: The run without tails, in a history that never kept any (the columns do not exist yet).
+RUNS_TAIL_NONE = """
+SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""

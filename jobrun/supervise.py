@@ -110,9 +110,18 @@ def become_subreaper() -> None:
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], child_mask: frozenset[int]
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    child_mask: frozenset[int],
+    *,
+    stdio: tuple[int, int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` (no shell) in a new process group that dies with us; raise ExecFailed."""
+    """Start ``argv`` (no shell) in a new process group that dies with us; raise ExecFailed.
+
+    ``stdio``: descriptors for the child's stdout and stderr (--keep-output's pipes); by
+    default it inherits ours.
+    """
+    out, err = stdio if stdio is not None else (None, None)  # --- operators: --keep-output
     prctl = _libc_prctl()
     parent = os.getpid()
 
@@ -129,7 +138,13 @@ def spawn(
         signal.pthread_sigmask(signal.SIG_SETMASK, child_mask)
 
     try:
-        return subprocess.Popen(list(argv), env=dict(env), preexec_fn=in_child)  # noqa: PLW1509 - the fork->exec setup needs it; no thread runs yet
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            preexec_fn=in_child,  # noqa: PLW1509 - the fork->exec setup needs it (async-signal-safe calls only)
+            stdout=out,
+            stderr=err,
+        )
     except FileNotFoundError as exc:
         raise ExecFailed(f"{argv[0]}: command not found ({exc.strerror})", Exit.NOT_FOUND) from None
     except PermissionError as exc:
