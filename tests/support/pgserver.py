@@ -273,6 +273,38 @@ class PgServer:
         atexit.register(server.cleanup)
         return server
 
+    @classmethod
+    def start_standby(
+        cls,
+        primary: PgServer,
+        settings: dict[str, str] | None = None,
+        *,
+        port: int | None = None,
+        upstream: str | None = None,
+    ) -> PgServer:
+        """A streaming standby of ``primary``: pg_basebackup -R, then start it and wait.
+
+        Replication is asynchronous (the primary does not wait for the standby), as in most
+        deployments: a commit acknowledged by the primary may not have reached the standby
+        when it is promoted. ``port`` reuses a port (say, a stopped old primary's), so that a
+        multi-host DSN naming both ports stays valid; default: a free one. ``upstream`` is
+        the conninfo the standby streams from (default: the primary's own), e.g. a TcpProxy
+        in front of the primary, so that a test can hold replication back.
+        """
+        server = cls(settings)
+        try:
+            server._clone(primary, upstream)
+            if port is None:
+                server._start_on_free_port()
+            else:
+                server.port = port
+                server._launch()
+        except BaseException:
+            server.cleanup()
+            raise
+        atexit.register(server.cleanup)
+        return server
+
     # --- paths and connection strings -------------------------------------------------------
 
     @property
@@ -349,6 +381,48 @@ class PgServer:
         lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
         with (self.data_dir / "postgresql.conf").open("a") as conf:
             conf.write("\n".join(lines) + "\n")
+
+    def _clone(self, primary: PgServer, upstream: str | None) -> None:
+        """Copy ``primary`` with pg_basebackup -R (standby.signal and primary_conninfo)."""
+        check_reachable(self.bin_dir)
+        self.base_dir = make_private_dir("jobrun-pg-standby-")
+        run_as = RunAs.for_servers()
+        with self.log_path.open("ab") as log:
+            result = subprocess.run(
+                [
+                    str(self.bin_dir / "pg_basebackup"),
+                    "-D",
+                    str(self.data_dir),
+                    "-R",
+                    "--wal-method=stream",
+                    "--checkpoint=fast",
+                    "--no-sync",
+                    "-d",
+                    primary.dsn(),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._base,
+                env=_pg_env(self.bin_dir),
+                timeout=120,
+                check=False,
+                user=run_as.user,
+                group=run_as.group,
+                extra_groups=run_as.extra_groups,
+            )
+        if result.returncode != 0:
+            raise PgServerError(f"pg_basebackup failed:\n{log_tail(self.log_path)}")
+        # The copy carries the primary's postgresql.conf: later lines win, so the socket
+        # directory (the primary's own) and this server's settings go at the end.
+        lines = ["", "# added by tests/support/pgserver.py for the standby"]
+        settings = {"unix_socket_directories": str(self.socket_dir), **self.settings}
+        lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
+        with (self.data_dir / "postgresql.conf").open("a") as conf:
+            conf.write("\n".join(lines) + "\n")
+        if upstream is not None:
+            # -R wrote primary_conninfo into postgresql.auto.conf; a later line there wins.
+            with (self.data_dir / "postgresql.auto.conf").open("a") as auto:
+                auto.write(f"primary_conninfo = {_quote(upstream)}\n")
 
     def _start_on_free_port(self) -> None:
         for _ in range(_PORT_ATTEMPTS):
@@ -439,6 +513,37 @@ class PgServer:
         if run_as.user is not None and run_as.group is not None:
             os.chown(signal_file, run_as.user, run_as.group)
         self.start_again()
+
+    def promote(self) -> None:
+        """Promote this standby to a primary (``pg_promote()``) and wait until it writes."""
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_promote(true, %s)", (int(_READY_TIMEOUT),)).fetchone()
+        if not (row and row[0]):
+            raise PgServerError(f"promotion did not finish:\n{log_tail(self.log_path)}")
+
+    def in_recovery(self) -> bool:
+        """Whether the server is a standby (``pg_is_in_recovery()``)."""
+        with psycopg.connect(self.dsn(), connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
+    def wait_replayed(self, primary: PgServer, timeout: float = _READY_TIMEOUT) -> None:
+        """Wait until this standby has replayed everything ``primary`` had written so far."""
+        with psycopg.connect(primary.dsn(), connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        target = row[0]
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
+            while True:
+                done = conn.execute(
+                    "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
+                ).fetchone()
+                if done and done[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise PgServerError(f"standby did not replay up to {target} in {timeout}s")
+                time.sleep(0.02)  # no server-side wait for replay exists before PostgreSQL 17
 
     def kill(self) -> None:
         """Crash: SIGKILL the postmaster and its children, as an OOM kill or power cut would.
