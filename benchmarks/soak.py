@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import datetime as dt
 import json
 import os
 import random
@@ -53,7 +54,9 @@ from psycopg.conninfo import make_conninfo
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support.pgserver import PgServer, server_version  # noqa: E402 - after the path set-up
+from support import jobrun_cli  # noqa: E402 - after the path set-up
+from support.failover import FailoverPair, window_child  # noqa: E402
+from support.pgserver import PgServer, server_version  # noqa: E402
 from support.proxy import TcpProxy  # noqa: E402
 
 KEY = "soak"
@@ -620,6 +623,84 @@ def machine() -> str:
     )
 
 
+def failover_window(args: argparse.Namespace) -> dict[str, Any]:
+    """How long the old holder's child runs on after a new holder started, per mode.
+
+    Each round: a primary and its asynchronous standby; a run holds the key, its child
+    slow to exit on SIGTERM (--slow-exit); for lease mode, replication is held back first, so
+    the lease is written on the primary only (a lagging standby). Then the primary crashes,
+    the standby is promoted and a new run (--wait) starts at once: its child waits for the
+    old child's flock, and that wait is the overlap.
+    """
+    rng = random.Random(args.seed)
+    env = {"PYTHONPATH": str(ROOT)}
+    figures: dict[str, Any] = {}
+    for mode in ("session", "lease"):
+        rounds = []
+        for round_ in range(args.failover_window):
+            rounds.append(failover_round(args, mode, rng, env))
+            print(f"  {mode} round {round_ + 1}: {rounds[-1]}", file=sys.stderr, flush=True)
+        gone = sorted(r["old_child_gone_after_crash"] for r in rounds)
+        figures[mode] = {
+            "old_jobrun_exits": dict(collections.Counter(str(r["old_exit"]) for r in rounds)),
+            "old_child_gone_after_crash_s": {"max": gone[-1], "median": gone[len(gone) // 2]},
+            "new_child_started_after_crash_s_min": min(r["new_child_started"] for r in rounds),
+            "overlap_s_max": max(r["overlap"] for r in rounds),
+            "rounds": rounds,
+        }
+    return {
+        "command": " ".join(sys.argv),
+        "machine": machine(),
+        "kill_after": args.kill_after,
+        "slow_exit": args.slow_exit,
+        "ttl": args.ttl,
+        **figures,
+    }
+
+
+def failover_round(
+    args: argparse.Namespace, mode: str, rng: random.Random, env: dict[str, str]
+) -> dict[str, Any]:
+    """One failover under a holder of ``mode``; times in seconds after the crash."""
+    work = Path(tempfile.mkdtemp(prefix="jobrun-failover-"))
+    with FailoverPair() as pair:
+        for warm_mode in ("session", "lease"):
+            warm = jobrun_cli.run(
+                "--key", "warm-up", "--mode", warm_mode, "--", "true", dsn=pair.dsn(), env=env
+            )
+            if warm.returncode != 0:
+                raise RuntimeError(warm.stderr)
+        pair.wait_replayed()
+        if mode == "lease":
+            pair.hold_back_replication()
+        common = ("--key", KEY, "--mode", mode, "--kill-after", f"{args.kill_after}s")
+        if mode == "lease":
+            common += ("--ttl", f"{args.ttl}s")
+        lock = str(work / "exclusive")
+        old_argv = window_child(lock, str(work / "old"), exit_delay=args.slow_exit)
+        old = jobrun_cli.start(*common, "--", *old_argv, dsn=pair.dsn(), env=env)
+        jobrun_cli.wait_for_file(work / "old", timeout=120)
+        time.sleep(rng.uniform(0, args.heartbeat))  # crash at a random phase of the heartbeat
+        crashed_wall = time.time()
+        crashed = pair.fail_over()
+        promoted = time.monotonic() - crashed
+        new_argv = window_child(lock, str(work / "new"))
+        new = jobrun_cli.start(*common, "--wait", "120s", "--", *new_argv, dsn=pair.dsn(), env=env)
+        _, waited, began = jobrun_cli.wait_for_file(work / "new", timeout=180).split()
+        _, old_stderr = old.communicate(timeout=120)
+        new.send_signal(signal.SIGTERM)
+        new.communicate(timeout=120)
+    finished = jobrun_cli.event(old_stderr, "finished")["timestamp"]
+    old_end = dt.datetime.fromisoformat(str(finished).replace("Z", "+00:00")).timestamp()
+    return {
+        "old_exit": old.returncode,
+        "promoted": round(promoted, 3),
+        "old_child_gone_after_crash": round(old_end - crashed_wall, 3),
+        "new_child_started": round(float(began) - crashed, 3),
+        "overlap": float(waited),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--duration", type=duration, default=60.0, help="e.g. 30s, 20m, 1h")
@@ -638,7 +719,20 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--progress", action="store_true", help="a line every 5 s on stderr")
+    parser.add_argument(
+        "--failover-window",
+        type=int,
+        metavar="ROUNDS",
+        help="instead of the soak: measure the failover overlap, ROUNDS per mode",
+    )
+    parser.add_argument("--slow-exit", type=float, default=1.0, help="failover-window, seconds")
     args = parser.parse_args()
+    if args.failover_window:
+        figures = failover_window(args)
+        print(json.dumps(figures, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        return 0
 
     work = Path(tempfile.mkdtemp(prefix="jobrun-soak-"))
     began = time.monotonic()

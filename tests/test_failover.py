@@ -62,7 +62,7 @@ class Holders:
 
 def child_of(marker: Path) -> tuple[int, float]:
     """(pid, seconds it waited for the previous child) from a running child's marker."""
-    pid, waited = wait_for_file(marker, timeout=60).split()
+    pid, waited, _ = wait_for_file(marker, timeout=60).split()
     return int(pid), float(waited)
 
 

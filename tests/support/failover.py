@@ -92,9 +92,10 @@ class FailoverPair:
 
 #: A guarded child that measures an overlap instead of failing on one: it takes an exclusive
 #: flock on argv[1], waiting for it if another child still holds it, then writes
-#: "<pid> <seconds it waited>" to argv[2] and runs for argv[3] seconds. On SIGTERM it takes
-#: argv[4] seconds to exit (a slow shutdown). The kernel drops the flock when a child dies,
-#: so the wait is how long the previous child ran on after this one was started.
+#: "<pid> <seconds it waited> <time.monotonic() it began>" to argv[2] and runs for argv[3]
+#: seconds. On SIGTERM it takes argv[4] seconds to exit (a slow shutdown). The kernel drops
+#: the flock when a child dies, so the wait is how long the previous child ran on after this
+#: one was started.
 WINDOW_CHILD = """
 import fcntl, os, signal, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
@@ -106,7 +107,7 @@ except BlockingIOError:
     fcntl.flock(fd, fcntl.LOCK_EX)
     waited = time.monotonic() - began
 with open(sys.argv[2] + ".tmp", "w") as f:
-    f.write(f"{os.getpid()} {waited:.3f}\\n")
+    f.write(f"{os.getpid()} {waited:.3f} {began:.3f}\\n")
 os.rename(sys.argv[2] + ".tmp", sys.argv[2])
 def stop(signum, frame):
     time.sleep(float(sys.argv[4]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
 import os
@@ -18,16 +17,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-if TYPE_CHECKING:
-    from types import TracebackType
-
-    from typing_extensions import Self
+from .managed import Managed
 
 #: PostgreSQL refuses to run as root, so as root we hand the data directory to this user.
 RUN_AS_WHEN_ROOT = "nobody"
@@ -239,7 +234,7 @@ def _gone(pid: int) -> bool:
     return info is None or info[0] in {"Z", "X"}
 
 
-class PgServer:
+class PgServer(Managed):
     """A private PostgreSQL server in a temp dir, for tests that restart, crash or cut it.
 
     Use PgServer.start(); the server listens on 127.0.0.1:<port> with trust auth for
@@ -255,7 +250,6 @@ class PgServer:
         self.base_dir: Path | None = None
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._cleaned = False
 
     @classmethod
     def start(cls, settings: dict[str, str] | None = None) -> PgServer:
@@ -264,14 +258,12 @@ class PgServer:
         ``settings`` go into postgresql.conf, e.g. ``{"idle_session_timeout": "1s"}``.
         """
         server = cls(settings)
-        try:
+
+        def setup() -> None:
             server._init()
             server._start_on_free_port()
-        except BaseException:
-            server.cleanup()
-            raise
-        atexit.register(server.cleanup)
-        return server
+
+        return server._started(setup)
 
     @classmethod
     def start_standby(
@@ -292,18 +284,16 @@ class PgServer:
         in front of the primary, so that a test can hold replication back.
         """
         server = cls(settings)
-        try:
+
+        def setup() -> None:
             server._clone(primary, upstream)
             if port is None:
                 server._start_on_free_port()
             else:
                 server.port = port
                 server._launch()
-        except BaseException:
-            server.cleanup()
-            raise
-        atexit.register(server.cleanup)
-        return server
+
+        return server._started(setup)
 
     # --- paths and connection strings -------------------------------------------------------
 
@@ -579,11 +569,8 @@ class PgServer:
         ):
             stale.unlink(missing_ok=True)
 
-    def cleanup(self) -> None:
-        """Stop the server (or kill it) and remove its directory. Safe to call twice."""
-        if self._cleaned:
-            return
-        self._cleaned = True
+    def _release(self) -> None:
+        """Stop the server (or kill it) and remove its directory."""
         try:
             self.stop("immediate")
         except PgServerError:
@@ -591,18 +578,6 @@ class PgServer:
         finally:
             if self.base_dir is not None:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
-            atexit.unregister(self.cleanup)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
