@@ -103,7 +103,8 @@ def finish(signum=None, frame=None):
     record("exit")
     os._exit(0 if signum is None else 128 + signum)
 
-signal.signal(signal.SIGTERM, finish)
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # jobrun forwards all three
+    signal.signal(signum, finish)
 time.sleep(run_for)
 finish()
 """
@@ -279,7 +280,8 @@ class Soak:
                 token=uuid.uuid4().hex[:12],
                 mode=rng.choice(["session", "lease"]),
                 path=rng.choice(["direct", "proxy"]),
-                wait=rng.choice([0.0, 0.0, rng.uniform(0.5, 5.0)]),
+                # Two in three wait for the key: more of them get to run a child.
+                wait=rng.choice([0.0, rng.uniform(0.5, 5.0), rng.uniform(0.5, 5.0)]),
                 started=time.time(),
             )
             dsn = self.cluster.direct_dsn if run.path == "direct" else self.cluster.proxied_dsn
@@ -710,7 +712,7 @@ def main() -> int:
     parser.add_argument("--kill-after", type=float, default=2.0, help="seconds")
     parser.add_argument("--ttl", type=float, default=8.0, help="lease mode, seconds")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="jobrun's session default")
-    parser.add_argument("--max-run", type=float, default=3.0, help="longest child run, seconds")
+    parser.add_argument("--max-run", type=float, default=1.5, help="longest child run, seconds")
     parser.add_argument("--slow-term", type=float, default=0.3, help="share of slow SIGTERM exits")
     parser.add_argument("--ignore-term", type=float, default=0.05, help="share ignoring SIGTERM")
     parser.add_argument("--max-freeze", type=float, default=2.0, help="seconds")
