@@ -19,7 +19,8 @@ Figures: runs, skips, exits by status, faults by kind, and the failures, which m
 jobrun died, beyond --kill-after + a margin), internal errors (exit 70), hung jobruns.
 
 The documented window: a fault that frees the lock at the server at once (backend
-terminated, server restart or crash, failover) lets a new run start while the old child is
+terminated, a connection reset that reaches the server, server restart or crash, failover)
+lets a new run start while the old child is
 still shutting down, until jobrun has noticed (one heartbeat) and the child has exited
 (at most --kill-after after its SIGTERM). An overlap counts as inside that window when such
 a fault came before it, and the old child was gone within heartbeat + kill-after + slack of
@@ -61,7 +62,9 @@ from support.proxy import TcpProxy  # noqa: E402
 
 KEY = "soak"
 #: Faults that free the lock at the server at once, while the old child may still run.
-FREES_AT_SERVER = frozenset({"terminate_backend", "server_restart", "server_crash", "failover"})
+FREES_AT_SERVER = frozenset(
+    {"terminate_backend", "proxy_reset", "server_restart", "server_crash", "failover"}
+)
 #: Exit status of a child that found another child holding the flock.
 OVERLAP_EXIT = 3
 
