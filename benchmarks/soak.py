@@ -158,14 +158,12 @@ class Cluster:
 
     def __init__(self, *, failover: bool, settings: dict[str, str]) -> None:
         self.settings = settings
-        self.failover = failover
         self.primary = PgServer.start(settings)
         self.standby = PgServer.start_standby(self.primary, settings) if failover else None
         self.proxies = [TcpProxy(PgServer.host, self.primary.port).start()]
         if self.standby is not None:
             self.proxies.append(TcpProxy(PgServer.host, self.standby.port).start())
         # Failover swaps primary and standby; their ports (and so both DSNs) stay the same.
-        self.lock = threading.Lock()
 
     def _dsn(self, ports: list[int]) -> str:
         if len(ports) == 1:
