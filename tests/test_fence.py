@@ -8,9 +8,8 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import pytest
@@ -19,10 +18,6 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun import db, fence, log
 from support import jobrun_cli as cli
-from support.pgserver import create_database, drop_database
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
 
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()
 
@@ -32,17 +27,6 @@ def doc_sql(name: str) -> str:
     match = re.search(rf"<!-- fence-sql: {name} -->\n```sql\n(.*?)```", DOCS, re.DOTALL)
     assert match, f"no fence-sql {name} block in docs/operators.md"
     return match.group(1)
-
-
-@pytest.fixture
-def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
-    """A database of this test's own, without the jobrun schema."""
-    name = f"jobrun_fence_{uuid.uuid4().hex[:12]}"
-    create_database(pg_admin_dsn, name)
-    try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
-    finally:
-        drop_database(pg_admin_dsn, name)
 
 
 @pytest.fixture
