@@ -131,7 +131,7 @@ def spawn(
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             # WARNING: if jobrun died before prctl took effect, nobody will send the
-            # signal (PITFALLS 7): check the parent is still the one that forked us.
+            # signal (the fork -> prctl race): check the parent is still the one that forked us.
             if os.getppid() != parent:
                 os.kill(os.getpid(), signal.SIGKILL)
         signal.signal(WAKE, signal.SIG_DFL)  # an ignored signal would stay ignored after exec
