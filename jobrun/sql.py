@@ -522,3 +522,18 @@ WHERE application_name = ANY(%(names)s)
   AND datid = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND pid <> pg_backend_pid()
 """
+
+#: Session settings jobrun pins on its own sessions (start-up options, else PIN_SETTINGS).
+PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("DateStyle", "ISO"),
+    ("IntervalStyle", "postgres"),
+    ("TimeZone", "UTC"),
+    ("client_encoding", "UTF8"),
+    ("search_path", "pg_catalog"),
+    ("extra_float_digits", "1"),
+)
+#: The same as one statement, for a session that started without them (a pooler).
+PIN_SETTINGS = (
+    "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
+    "SET client_encoding = 'UTF8'; SET search_path = pg_catalog; SET extra_float_digits = 1"
+)

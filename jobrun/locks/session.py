@@ -202,7 +202,7 @@ class SessionLock:
                 raise LockLost(
                     f"the lock session broke: {db.one_line(exc, self._target)}"
                 ) from None
-            raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
+            raise db.unavailable(exc, self._target, "checking the lock") from None
         held = int(str(row[0])) if row else 0
         if held != len(self._held):
             raise LockLost(
