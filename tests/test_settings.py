@@ -17,6 +17,7 @@ from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from subprocess import CompletedProcess
 
 #: Every setting jobrun's run path depends on, at a value other than the one it needs.
 HOSTILE = {
@@ -68,9 +69,7 @@ def setting_env(request: pytest.FixtureRequest) -> dict[str, str]:
     return ENVIRONMENTS[request.param]
 
 
-def jobrun(
-    *args: str, dsn: str, env: dict[str, str]
-) -> jobrun_cli.subprocess.CompletedProcess[str]:
+def jobrun(*args: str, dsn: str, env: dict[str, str]) -> CompletedProcess[str]:
     """``jobrun ARGS`` with the environment under test."""
     return jobrun_cli.run(*args, dsn=dsn, env=env)
 
@@ -154,3 +153,19 @@ class TestPinned:
         for name, value in jobrun_sql.PINNED_SETTINGS:
             assert f"SET {name} = " in jobrun_sql.PIN_SETTINGS
             assert value in jobrun_sql.PIN_SETTINGS
+
+
+class TestThroughAPooler:
+    """PgBouncer refuses the start-up ``options`` jobrun pins the settings with."""
+
+    def test_lease_mode_pins_with_set_instead(self, hostile_dsn, pgbouncer, pg_address):
+        """Lease mode through transaction pooling runs, skips and reads its history."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        pooled = bouncer.dsn_for(hostile_dsn)
+        key = unique(KEY)
+        args = ("--mode", "lease", "--key", key, "--once-per", "1d", "--", "true")
+        first = jobrun(*args, dsn=pooled, env={})
+        assert first.returncode == 0, first.stderr
+        second = jobrun(*args, dsn=pooled, env={})
+        assert second.returncode == 75, second.stderr
+        assert jobrun_cli.event(second.stderr, "skipped")["reason"] == "already_ran"
