@@ -300,3 +300,51 @@ class TestRollbackOnADeadSession:
         assert proxy.cuts >= 1
         assert result.returncode == 69, result.stderr
         assert event(result.stderr, "lockstore_unavailable")["reason"] == "error"
+
+
+class TestBytesThatAreNotUtf8:
+    """A command (or DSN) whose bytes are not UTF-8, in any locale."""
+
+    @pytest.mark.parametrize("lang", ["C", "C.UTF-8", "POSIX"])
+    def test_command_runs_and_is_recorded(self, dsn, key, tmp_path, lang):
+        """A program in a directory named with byte 0xff runs (0), a missing one is 127."""
+        directory = tmp_path / "bin\udcff"
+        directory.mkdir()
+        program = directory / "job\udcfe"
+        program.write_text("#!/bin/sh\nexit 0\n")
+        program.chmod(0o755)
+        env = {"LANG": lang, "LC_ALL": lang}
+        ran = jobrun_cli.run("--key", key, "--", str(program), "arg\udcfd", dsn=dsn, env=env)
+        assert ran.returncode == 0, ran.stderr
+        assert event(ran.stderr, "finished")["outcome"] == "succeeded"
+        assert "history_failed" not in ran.stderr
+        missing = jobrun_cli.run(
+            "--key", key, "--", str(directory / "gone\udcff"), dsn=dsn, env=env
+        )
+        assert missing.returncode == 127, missing.stderr
+        history = jobrun_cli.run("history", key, "--json", dsn=dsn, env=env)
+        assert history.returncode == 0, history.stderr
+        assert "job\\\\xfe" in history.stdout
+
+    def test_dsn_bytes_are_a_usage_error(self, key, tmp_path):
+        """A DSN that is not UTF-8 (application_name=\\xff): exit 64, the child never runs."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--", "touch", str(marker), dsn="host=127.0.0.1 application_name=\udcff"
+        )
+        assert result.returncode == 64, result.stderr
+        assert not marker.exists()
+
+    def test_pgappname_bytes_reach_the_child(self, dsn, key):
+        """PGAPPNAME with byte 0xff is passed on to the child as it was."""
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--",
+            "sh",
+            "-c",
+            'test "$PGAPPNAME" = "$(printf "app\\377")"',
+            dsn=dsn,
+            env={"PGAPPNAME": "app\udcff"},
+        )
+        assert result.returncode == 0, result.stderr
