@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support.pgserver import PgServer
 
 ROLE = "herd"
+JOBRUN = (sys.executable, "-m", "jobrun")
 #: What a herd member does before the barrier: import everything a run needs, then wait.
 LAUNCHER = """
 import os, sys
@@ -50,8 +51,7 @@ def prepare(server: PgServer) -> str:
     dsn = server.dsn().replace("user=postgres", f"user={ROLE}")
     for mode in ("session", "lease"):  # the schema exists before the herd arrives
         subprocess.run(
-            [sys.executable, "-m", "jobrun", "--dsn", dsn, "--mode", mode, "--key", "warm-up", "--"]
-            + ["true"],
+            [*JOBRUN, "--dsn", dsn, "--mode", mode, "--key", "warm-up", "--", "true"],
             check=True,
             capture_output=True,
         )
