@@ -101,11 +101,15 @@ def herd(server: PgServer, dsn: str, *, runs: int, mode: str, history: bool) -> 
         wall = time.monotonic() - began
         done.set()
         watcher.join()
-        events = collections.Counter()
+        events: collections.Counter[str] = collections.Counter()
+        why_69: collections.Counter[str] = collections.Counter()
         for path in logs:
             for line in path.read_text(errors="replace").splitlines():
                 if line.startswith("{"):
-                    events[json.loads(line)["event"]] += 1
+                    parsed = json.loads(line)
+                    events[parsed["event"]] += 1
+                    if parsed["event"] == "lockstore_unavailable":
+                        why_69[f"{parsed['reason']}: {parsed['error'][:160]}"] += 1
     counts = collections.Counter(statuses)
     return {
         "mode": mode,
@@ -120,6 +124,7 @@ def herd(server: PgServer, dsn: str, *, runs: int, mode: str, history: bool) -> 
         "all_but_one_exited_s": round(herd_wall, 2),
         "last_exited_s": round(wall, 2),
         "server_refusals": refusals(server),
+        "why_69": dict(why_69.most_common(3)),
     }
 
 

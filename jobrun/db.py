@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -355,7 +356,14 @@ def _connect_once(
         raise _ConnectTimeoutError
     attempt = _Attempt(_connection_kwargs(target, params, app_name, remaining), target.dsn)
     thread = threading.Thread(target=attempt.run, name="jobrun-connect", daemon=True)
-    thread.start()
+    # WARNING: a signal delivered to a thread runs the main thread's Python handler at once,
+    # even while the main thread blocks that signal (a guarded child runs): the thread
+    # inherits a mask that blocks every signal, so they all stay with the main thread.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
         finished = attempt.done.wait(remaining)
     finally:
