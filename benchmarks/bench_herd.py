@@ -103,7 +103,10 @@ def herd(server: PgServer, dsn: str, *, runs: int, mode: str, history: bool) -> 
         watcher.join()
         events: collections.Counter[str] = collections.Counter()
         why_69: collections.Counter[str] = collections.Counter()
-        for path in logs:
+        other_lines: list[str] = []
+        for status, path in zip(statuses, logs, strict=True):
+            if status not in (0, 75, 69):
+                other_lines.append(path.read_text(errors="replace")[-600:])
             for line in path.read_text(errors="replace").splitlines():
                 if line.startswith("{"):
                     parsed = json.loads(line)
@@ -125,6 +128,7 @@ def herd(server: PgServer, dsn: str, *, runs: int, mode: str, history: bool) -> 
         "last_exited_s": round(wall, 2),
         "server_refusals": refusals(server),
         "why_69": dict(why_69.most_common(3)),
+        "other_stderr": other_lines[:3],
     }
 
 

@@ -236,11 +236,18 @@ def connect(target: Target, *, app_name: str) -> Connection:
     deadline = time.monotonic() + target.connect_timeout
     backoff = _FIRST_BACKOFF
     attempts = 0
+    busy = ""  # the server's last "not now", if it said so
     while True:
         attempts += 1
         try:
             conn = _connect_once(target, params, app_name, deadline)
         except _ConnectTimeoutError:
+            if busy:  # the deadline came while we asked again: the server's answer stands
+                raise LockStoreUnavailable(
+                    f"cannot connect to {describe(target)}: {busy} (still so after "
+                    f"{attempts - 1} attempts in {target.connect_timeout:g}s)",
+                    reason=REFUSED,
+                ) from None
             raise LockStoreUnavailable(
                 f"cannot connect to {describe(target)}: no answer within "
                 f"{target.connect_timeout:g}s (--connect-timeout)"
@@ -252,6 +259,7 @@ def connect(target: Target, *, app_name: str) -> Connection:
             if _BAD_OPTION.search(text) and not _REFUSED.search(text):
                 raise UsageError(f"--dsn/JOBRUN_DSN: {_strip_prefix(text)}") from None
             if _BUSY.search(text):
+                busy = text
                 pause = random.uniform(backoff / 2, backoff)  # noqa: S311 - jitter, not crypto
                 if time.monotonic() + pause < deadline:
                     time.sleep(pause)

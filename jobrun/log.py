@@ -80,6 +80,9 @@ def safe_text(text: str) -> str:
 #: A secret shorter than this is masked only where it is plainly a value (quoted, after
 #: ``=``); a longer one also where it stands alone between spaces or punctuation.
 _SHORT_SECRET = 4
+#: A secret this long is masked wherever it occurs, even glued to other text (a hook that
+#: prints it inside a word): no word of a log line contains it by chance.
+_LONG_SECRET = 8
 _BEFORE = "\\s\"'=:@/(<\\["
 _AFTER = "\\s\"'@/),;:>\\]"
 
@@ -88,14 +91,17 @@ def mask_secrets(text: str, secrets: Iterable[str]) -> str:
     """Mask each secret where it occurs as a value in ``text``, not inside other words.
 
     A password ``e`` must not turn ``started`` into ``start***d``, nor ``test`` rewrite a
-    key named ``test-export``: a secret is masked only when nothing but a delimiter
-    (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it; a short one only
-    when quoted or after ``=``.
+    key named ``test-export``: a secret of 4 to 7 characters is masked only when nothing
+    but a delimiter (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it, a
+    shorter one only when quoted or after ``=``; one of 8 or more wherever it occurs.
     """
     for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
         if text == secret:
             return "***"
         if secret not in text:
+            continue
+        if len(secret) >= _LONG_SECRET:
+            text = text.replace(secret, "***")
             continue
         escaped = re.escape(secret)
         if len(secret) < _SHORT_SECRET:
