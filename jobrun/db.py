@@ -309,7 +309,10 @@ def _connection_kwargs(
     if not target._learned.get("no_options"):  # noqa: SLF001 - our own memo
         # The user's options (DSN, else PGOPTIONS) first: a later -c wins, so ours do.
         theirs = str(params.get("options") or os.environ.get("PGOPTIONS", ""))
-        ours = " ".join(f"-c {name}={value}" for name, value in PINNED_SETTINGS)
+        # The server splits options at spaces (a backslash keeps one in a value).
+        ours = " ".join(
+            f"-c {name}={value.replace(' ', chr(92) + ' ')}" for name, value in PINNED_SETTINGS
+        )
         kwargs["options"] = f"{theirs} {ours}".strip()
     return kwargs
 

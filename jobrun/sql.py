@@ -529,11 +529,13 @@ PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
     ("IntervalStyle", "postgres"),
     ("TimeZone", "UTC"),
     ("client_encoding", "UTF8"),
-    ("search_path", "pg_catalog"),
+    ("search_path", '"$user", public'),
     ("extra_float_digits", "1"),
 )
 #: The same as one statement, for a session that started without them (a pooler).
 PIN_SETTINGS = (
     "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
-    "SET client_encoding = 'UTF8'; SET search_path = pg_catalog; SET extra_float_digits = 1"
+    "SET client_encoding = 'UTF8'; "
+    'SET search_path = "$user", public; '
+    "SET extra_float_digits = 1"
 )

@@ -106,12 +106,17 @@ class SessionLock:
                         self.confirmed_at = time.monotonic()
                         return None
                     self._unlock_taken(conn)
+                    self._close()
                     return leased
                 self._unlock_taken(conn)
-                return self._holder_of(conn, blocked)
+                holder = self._holder_of(conn, blocked)
         except BaseException:
             self._close()
             raise
+        # A skip needs the session no longer: its slot is free before the skip is recorded
+        # (a herd of skips must not hold two connections each).
+        self._close()
+        return holder
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
         deadline = time.monotonic() + wait
