@@ -249,7 +249,11 @@ class CutOnRollback:
         self._listener.listen(16)
         self.port = self._listener.getsockname()[1]
         self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._lock = threading.Lock()
+        self._finished = 0
+        self._pumps: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while True:
@@ -258,8 +262,10 @@ class CutOnRollback:
             except OSError:
                 return
             server = socket.create_connection(self._upstream)
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+            for args in ((client, server, True), (server, client, False)):
+                pump = threading.Thread(target=self._pump, args=args, daemon=True)
+                self._pumps.append(pump)
+                pump.start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
         with contextlib.suppress(OSError):
@@ -271,9 +277,20 @@ class CutOnRollback:
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:  # the second pump to finish closes both
+            self._finished += 1
+            if self._finished % 2 == 0:
+                src.close()
+                dst.close()
 
     def close(self) -> None:
+        """Stop accepting and wait for every connection to be closed."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self._acceptor.join(timeout=10)
+        for pump in self._pumps:
+            pump.join(timeout=10)
 
 
 class TestRollbackOnADeadSession:
