@@ -111,7 +111,9 @@ class TestMaskingProperties:
     @given(secret=SECRET)
     def test_a_secret_standing_as_a_value_is_masked(self, secret):
         """Quoted (as libpq quotes values), or a whole field: the secret is masked."""
-        assert '"***"' in log.mask_secrets(f'bad value "{secret}" for option', [secret])
+        masked = log.mask_secrets(f'bad value "{secret}" for option', [secret])
+        assert f'"{secret}"' not in masked
+        assert "***" in masked
         assert log.mask_secrets(secret, [secret]) == "***"
 
     @given(secret=st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=3))
