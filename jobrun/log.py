@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, TextIO
 
@@ -60,20 +61,90 @@ def open_log_file(path: str) -> int:
         raise UsageError(f"--log-file {path}: {exc.strerror}") from None
 
 
+def safe_text(text: str) -> str:
+    """``text`` with bytes that were not UTF-8 (lone surrogates U+DCxx) spelled ``\\xNN``.
+
+    WARNING: argv, environment and file names that are not UTF-8 reach Python as lone
+    surrogates (surrogateescape); encoding them strictly raises UnicodeEncodeError, so
+    every text that leaves the process (log lines, database parameters) passes here.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogateescape")
+        # Lone surrogates that did not come from bytes (U+D800..U+DC7F) stay escaped too.
+        return raw.decode("utf-8", "backslashreplace")
+    return text
+
+
+#: A secret shorter than this is masked only where it is plainly a value (quoted, after
+#: ``=``); a longer one also where it stands alone between spaces or punctuation.
+_SHORT_SECRET = 4
+#: A secret this long is masked wherever it occurs, even glued to other text (a hook that
+#: prints it inside a word): no word of a log line contains it by chance.
+_LONG_SECRET = 8
+_BEFORE = "\\s\"'=:@/(<\\["
+_AFTER = "\\s\"'@/),;:>\\]"
+
+
+def mask_secrets(text: str, secrets: Iterable[str]) -> str:
+    """Mask each secret where it occurs as a value in ``text``, not inside other words.
+
+    A password ``e`` must not turn ``started`` into ``start***d``, nor ``test`` rewrite a
+    key named ``test-export``: a secret of 4 to 7 characters is masked only when nothing
+    but a delimiter (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it, a
+    shorter one only when quoted or after ``=``; one of 8 or more wherever it occurs.
+    """
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        if text == secret:
+            return "***"
+        if secret not in text:
+            continue
+        if len(secret) >= _LONG_SECRET:
+            text = text.replace(secret, "***")
+            continue
+        escaped = re.escape(secret)
+        if len(secret) < _SHORT_SECRET:
+            pattern = rf"(?:(?<=[\"'])|(?<==)){escaped}(?=[\"'@\s]|$)"
+        else:
+            pattern = rf"(?:(?<=[{_BEFORE}])|^){escaped}(?=[{_AFTER}]|$)"
+        text = re.sub(pattern, "***", text)
+    return text
+
+
+#: Fields that name the event itself: never rewritten (alerting greps them).
+_FIXED_FIELDS = frozenset({"timestamp", "level", "event"})
+
+
 def redactor(secrets: Iterable[str]) -> Processor:
-    """A processor that masks every occurrence of ``secrets`` in string values: the last guard."""
+    """A processor that masks ``secrets`` where they occur as values: the last guard."""
     masked = tuple(secret for secret in secrets if secret)
 
     def redact(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
         if masked:
             for name, value in event_dict.items():
-                if isinstance(value, str):
-                    for secret in masked:
-                        value = value.replace(secret, "***")  # noqa: PLW2901 - rewriting in place
-                    event_dict[name] = value
+                if isinstance(value, str) and name not in _FIXED_FIELDS:
+                    event_dict[name] = mask_secrets(value, masked)
         return event_dict
 
     return redact
+
+
+def _safe_strings(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """Make every string field encodable (see safe_text), nested ones included."""
+    return {safe_text(str(name)): _safe_value(value) for name, value in event_dict.items()}
+
+
+def _safe_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, list):
+        return [_safe_value(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_safe_value(item) for item in value)
+    if isinstance(value, dict):
+        return {safe_text(str(k)): _safe_value(v) for k, v in value.items()}
+    return value
 
 
 def _lead_with_time_level_event(
@@ -132,6 +203,7 @@ def configure(
     processors: list[Processor] = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _safe_strings,
         redactor(secrets),
         _lead_with_time_level_event,
         renderer,

@@ -121,7 +121,7 @@ def run(
     guarded = _GuardedRun(
         job, lock=lock, identity=identity, environ=environ, log=log, recorder=recorder
     )
-    # --- operators (jobrun.ping, jobrun.tail, jobrun.fence) ---
+    # Operators' extras (--ping, --keep-output, --fence), each optional.
     guarded.pinger, guarded.capture, guarded.fencer = pinger, capture, fencer
     try:
         with _interruptible():
@@ -159,7 +159,7 @@ class _GuardedRun:
         self.recorder = recorder
         #: jobrun's exit status, once the run is over.
         self.status: int | None = None
-        # --- operators (jobrun.ping, jobrun.tail, jobrun.fence) ---
+        # Operators' extras (--ping, --keep-output, --fence), each optional.
         self.pinger: Pinger | None = None
         self.capture: Capture | None = None
         self.fencer: Callable[[], int] | None = None
@@ -178,8 +178,13 @@ class _GuardedRun:
             return self.status
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
-            self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
-            if self.pinger is not None:  # --- operators: --ping
+            try:
+                self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
+            finally:
+                # The skip's row went over the lock session; a herd of skips must not keep
+                # their sessions a moment longer (nothing is held: this only closes it).
+                self.lock.release()
+            if self.pinger is not None:
                 self.pinger.skipped("locked", holder.fields())
             return job.skip_exit_code
         try:
@@ -229,10 +234,10 @@ class _GuardedRun:
                 fields = {f"previous_{name}": value for name, value in earlier.items()}
                 log.info("skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields)
                 self.recorder.skipped("already_ran", fields, job.skip_exit_code)
-                if self.pinger is not None:  # --- operators: --ping
+                if self.pinger is not None:
                     self.pinger.skipped("already_ran", fields)
                 return job.skip_exit_code
-            # --- operators: --fence (a token taken while the lock is provably held) ---
+            # --fence: a token taken while the lock is provably held.
             if self.fencer is not None:
                 try:
                     token = self.fencer()
@@ -244,12 +249,11 @@ class _GuardedRun:
                     log.error(exc.event, reason=exc.reason, error=str(exc), fence=True)
                     return exc.exit_code
                 self.environ = {**self.environ, "JOBRUN_FENCE": str(token)}
-            # --- end operators ---
             return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)
         finally:
             watchdog.stop()
 
-    def _run_child(  # noqa: C901 - the operators' optional steps, in marked blocks
+    def _run_child(  # noqa: C901 - --keep-output adds its optional steps
         self, child_mask: frozenset[int], *, watchdog: Watchdog | None, recorder: Recorder
     ) -> int:
         """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded)."""
@@ -263,23 +267,23 @@ class _GuardedRun:
         env = child_environment(self.environ, job, self.identity.run_id)
         supervise.become_subreaper()
         started = time.monotonic()
-        capture = self.capture  # --- operators: --keep-output
+        capture = self.capture
         stdio = capture.child_fds() if capture is not None else None
         try:
             child = supervise.spawn(job.argv, env, child_mask, stdio=stdio)
         except supervise.ExecFailed as exc:
-            if capture is not None:  # --- operators: --keep-output
+            if capture is not None:
                 capture.close()
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
             recorder.exec_failed(exc.exit_code)
             return exc.exit_code
-        if capture is not None:  # --- operators: --keep-output
+        if capture is not None:
             capture.begin()
         try:
             guarded = watchdog is not None
             log.info("started", command=job.argv[0], child_pid=child.pid, guarded=guarded)
             recorder.started(child.pid)
-            if self.pinger is not None:  # --- operators: --ping
+            if self.pinger is not None:
                 self.pinger.start()
             ending = supervise.supervise(
                 child,
@@ -289,7 +293,7 @@ class _GuardedRun:
                 terminate_on_lock_lost=job.on_lock_lost == "terminate",
                 log=log,
             )
-            if capture is not None:  # --- operators: --keep-output (the group is gone)
+            if capture is not None:  # the group is gone: the pipes can be drained
                 capture.finish()
             outcome, status = _outcome(ending)
             # The line first: the history write may take a few seconds on a bad network.
@@ -303,7 +307,7 @@ class _GuardedRun:
             # WARNING: jobrun itself failed (a bug) while the child may still run: the lock
             # is released next, so the child's group dies first (at most one run, always).
             supervise.abort(child)
-            if capture is not None:  # --- operators: --keep-output
+            if capture is not None:
                 capture.finish()
             raise
         return status

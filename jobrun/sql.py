@@ -648,7 +648,24 @@ WHERE application_name = ANY(%(names)s)
   AND pid <> pg_backend_pid()
 """
 
-# --- operators: fencing tokens, kept output ----------------------------------------------------
+#: Session settings jobrun pins on its own sessions (start-up options, else PIN_SETTINGS).
+PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("DateStyle", "ISO"),
+    ("IntervalStyle", "postgres"),
+    ("TimeZone", "UTC"),
+    ("client_encoding", "UTF8"),
+    ("search_path", '"$user", public'),
+    ("extra_float_digits", "1"),
+)
+#: The same as one statement, for a session that started without them (a pooler).
+PIN_SETTINGS = (
+    "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
+    "SET client_encoding = 'UTF8'; "
+    'SET search_path = "$user", public; '
+    "SET extra_float_digits = 1"
+)
+
+# --- fencing tokens, kept output ---------------------------------------------------------------
 
 #: One sequence for every key: a token is greater than every token handed out before it,
 #: whichever key, host or lock mode took it. CACHE 1 (the default, spelled out): a session

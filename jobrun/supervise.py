@@ -121,7 +121,7 @@ def spawn(
     ``stdio``: descriptors for the child's stdout and stderr (--keep-output's pipes); by
     default it inherits ours.
     """
-    out, err = stdio if stdio is not None else (None, None)  # --- operators: --keep-output
+    out, err = stdio if stdio is not None else (None, None)
     prctl = _libc_prctl()
     parent = os.getpid()
 

@@ -62,3 +62,22 @@ class TestEventLines:
         logger.info("started")
         logger.warning("heartbeat_failed")
         assert [line["event"] for line in lines_from(reader)] == ["heartbeat_failed"]
+
+
+class TestBytesThatAreNotUtf8:
+    """argv and environment bytes that are not UTF-8 arrive as lone surrogates (U+DCxx)."""
+
+    @pytest.mark.parametrize("fmt", ["json", "logfmt", "console"])
+    def test_every_format_writes_them_escaped(self, fmt):
+        """A field holding U+DCFF is written as ``\\xff``, and the line is valid UTF-8."""
+        reader, writer = os.pipe()
+        logger = log.configure(fmt=fmt, fd=writer, secrets=["s\udcfe"])
+        logger.error("exec_failed", command="echo\udcff", argv=["a\udcff"], **{"k\udcff": 1})
+        data = os.read(reader, 65536).decode("utf-8")
+        assert "echo\\xff" in data.replace("\\\\", "\\")
+        assert "\udcff" not in data
+
+    def test_safe_text_keeps_valid_text(self):
+        """Text that is valid UTF-8 comes back unchanged."""
+        assert log.safe_text("nightly-экспорт") == "nightly-экспорт"
+        assert log.safe_text("a\udcffb") == "a\\xffb"

@@ -112,9 +112,7 @@ dsns = st.one_of(
     .filter(lambda text: not _has_escaped_bytes(text))
     .map(lambda text: f"host={CLOSED_HOST} port=1 password={SECRET}{text}"),
 )
-#: DSNs with bytes that are not UTF-8. TODO: they end in exit 70 today (UnicodeEncodeError
-#: from psycopg's conninfo parser in jobrun/db.py); once db.py refuses them as a usage
-#: error, fold this strategy into ``dsns`` and drop the xfail below.
+#: DSNs with bytes that are not UTF-8 (a usage error: libpq takes UTF-8 connection strings).
 dsns_not_utf8 = st.binary(min_size=1, max_size=6).map(
     lambda raw: (
         f"host={CLOSED_HOST} port=1 password={SECRET}"
@@ -330,11 +328,6 @@ class TestCommandLines:
 class TestDsnNotUtf8:
     """A DSN with bytes that are not UTF-8 (from argv or JOBRUN_DSN)."""
 
-    @pytest.mark.xfail(
-        reason="db.py: a DSN that is not UTF-8 ends in exit 70 (UnicodeEncodeError from "
-        "psycopg's conninfo parser); fixed in db.py's own branch",
-        strict=False,
-    )
     @settings(max_examples=20)
     @given(
         dsn=dsns_not_utf8,

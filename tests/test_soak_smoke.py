@@ -12,6 +12,7 @@ import pytest
 import structlog
 
 from jobrun import db, keys, sql
+from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.lease import LeaseLock
 
@@ -63,14 +64,12 @@ class DiesAfterAcquire(psycopg.Connection):  # type: ignore[type-arg]
 class TestFoundByTheSoak:
     """Bugs the soak found, each reproduced on its own."""
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="jobrun bug: a lease-mode start that finds the key taken raises psycopg.Rollback "
-        "inside conn.transaction(); when the connection dies before that ROLLBACK, psycopg "
-        "re-raises the Rollback (not a psycopg.Error), and jobrun exits 70 instead of 69",
-    )
     def test_a_connection_lost_while_finding_the_key_taken_is_a_database_error(self, dsn, key):
-        """The connection dies between the lease statement and its rollback: psycopg.Error."""
+        """The connection dies between the lease statement and its rollback: 69, never 70.
+
+        psycopg lets its ``Rollback`` through when the ROLLBACK itself fails (it is not a
+        ``psycopg.Error``): the database boundary must turn it into a lock-store error.
+        """
         target = db.Target(dsn=dsn)
         holder, latecomer = (
             LeaseLock(
@@ -87,7 +86,10 @@ class TestFoundByTheSoak:
         try:
             DiesAfterAcquire.admin_dsn = dsn
             with DiesAfterAcquire.connect(dsn, autocommit=True) as conn:  # noqa: SIM117
-                with pytest.raises(psycopg.Error):
+                with (
+                    pytest.raises(LockStoreUnavailable),
+                    db.translate_errors(target, "taking the lease"),
+                ):
                     latecomer._insert(conn)  # noqa: SLF001 - the step that must fail cleanly
         finally:
             holder.release()

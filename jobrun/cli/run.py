@@ -366,7 +366,7 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
         fmt=settings.log_format,
         level=settings.log_level,
         fd=fd,
-        secrets=(*target.secrets, os.environ.get("PGPASSWORD", "")),
+        secrets=target.secrets,  # the DSN's password and PGPASSWORD
         # A log file that cannot be written (disk full): the lines go to stderr instead.
         fallback_fd=STDERR if fd is not None else None,
     )

@@ -172,6 +172,10 @@ class LeaseLock:
 
         True: taken. False: another run's lease is in the way. None: a session-mode run
         holds one of the keys (WARNING: the two modes must exclude each other too).
+
+        WARNING: when the ROLLBACK fails (the backend was terminated mid-transaction),
+        psycopg lets ``Rollback`` itself escape: the caller's translate_errors turns it
+        into LockStoreUnavailable like any other database error.
         """
         session_held = False
         with conn.transaction():
@@ -202,7 +206,7 @@ class LeaseLock:
             with db.connect(self._target, app_name=self._app_name) as conn:
                 renewed = len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
         except psycopg.Error as exc:
-            raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
+            raise db.unavailable(exc, self._target, "renewing the lease") from None
         if renewed != len(self._keys):
             # _held stays True: the leases still ours (just renewed) must be deleted in
             # release(), which is owner-checked and so never touches the lost ones.
@@ -225,7 +229,7 @@ class LeaseLock:
         try:
             with db.connect(self._target, app_name=self._app_name) as conn:
                 conn.execute(sql.LEASE_RELEASE, self._params)
-        except (psycopg.Error, LockStoreUnavailable) as exc:
+        except (psycopg.Error, psycopg.Rollback, LockStoreUnavailable) as exc:
             self._log.warning(
                 "release_failed",
                 error=db.one_line(exc, self._target),

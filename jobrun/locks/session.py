@@ -110,6 +110,8 @@ class SessionLock:
                     self._unlock_taken(conn)
                     return leased
                 self._unlock_taken(conn)
+                # The session stays open for the skip's history row (one session per skip);
+                # the runner closes it with release() right after.
                 return self._holder_of(conn, blocked)
         except BaseException:
             self._close()
@@ -204,7 +206,7 @@ class SessionLock:
                 raise LockLost(
                     f"the lock session broke: {db.one_line(exc, self._target)}"
                 ) from None
-            raise LockStoreUnavailable(db.one_line(exc, self._target), reason="error") from None
+            raise db.unavailable(exc, self._target, "checking the lock") from None
         held = int(str(row[0])) if row else 0
         if held != len(self._held):
             raise LockLost(

@@ -424,13 +424,17 @@ class PgServer(Managed):
             return
         raise PgServerError(f"no free port after {_PORT_ATTEMPTS} attempts")
 
-    def start_again(self) -> None:
-        """Start the stopped (or killed) server on its old port and wait until it is ready."""
+    def start_again(self, *, wait: bool = True) -> None:
+        """Start the stopped (or killed) server on its old port and wait until it is ready.
+
+        ``wait=False``: return once the postmaster runs (a standby with hot_standby off
+        never becomes ready: it answers "not accepting connections" until promoted).
+        """
         if self.running:
             raise PgServerError("the server is already running")
-        self._launch()
+        self._launch(wait=wait)
 
-    def _launch(self) -> None:
+    def _launch(self, *, wait: bool = True) -> None:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         run_as = RunAs.for_servers()
         with self.log_path.open("ab") as log:
@@ -448,7 +452,8 @@ class PgServer(Managed):
                 group=run_as.group,
                 extra_groups=run_as.extra_groups,
             )
-        self._wait_ready(offset)
+        if wait:
+            self._wait_ready(offset)
 
     def _wait_ready(self, log_offset: int) -> None:
         assert self._proc is not None
@@ -491,10 +496,11 @@ class PgServer(Managed):
         self.stop("fast")
         self.start_again()
 
-    def become_standby(self) -> None:
+    def become_standby(self, *, wait: bool = True) -> None:
         """Restart as a hot standby (read-only, in recovery) of a primary that never answers.
 
-        After a clean shutdown the standby is consistent at once and accepts connections.
+        After a clean shutdown the standby is consistent at once and accepts connections
+        (with hot_standby off it never does: then pass ``wait=False``).
         """
         self.stop("fast")
         signal_file = self.data_dir / "standby.signal"
@@ -502,7 +508,18 @@ class PgServer(Managed):
         run_as = RunAs.for_servers()
         if run_as.user is not None and run_as.group is not None:
             os.chown(signal_file, run_as.user, run_as.group)
-        self.start_again()
+        self.start_again(wait=wait)
+
+    def signal_promotion(self) -> None:
+        """Ask a standby to promote itself, without waiting (``pg_ctl promote``: a file and
+        SIGUSR1); works where no connection is possible (``hot_standby = off``)."""
+        assert self._proc is not None
+        trigger = self.data_dir / "promote"
+        trigger.touch()
+        run_as = RunAs.for_servers()
+        if run_as.user is not None and run_as.group is not None:
+            os.chown(trigger, run_as.user, run_as.group)
+        self._proc.send_signal(signal.SIGUSR1)
 
     def promote(self) -> None:
         """Promote this standby to a primary (``pg_promote()``) and wait until it writes."""

@@ -1,0 +1,367 @@
+"""The database boundary: connect deadlines, why a connection failed, busy servers, rollbacks."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+import psycopg
+import pytest
+
+from jobrun import db
+from jobrun.exitcodes import LockStoreUnavailable
+from support import jobrun_cli
+from support.jobrun_cli import event
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+    from subprocess import CompletedProcess
+
+#: libpq's connect_timeout is whole seconds and at least 2: what jobrun must do better than.
+LIBPQ_MINIMUM_TIMEOUT = 2.0
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A port that accepts TCP connections and never says a word."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield server.getsockname()[1]
+
+
+@pytest.fixture
+def blackholed_port() -> Iterator[int]:
+    """A port whose accept queue is full: the kernel drops new SYNs, as a firewall would."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket())
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        address = server.getsockname()
+        for _ in range(4):  # fill the (tiny) queue; later connects get no answer at all
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)  # noqa: FBT003 - positional only
+            filler.connect_ex(address)
+        yield address[1]
+
+
+def connect_seconds(dsn: str, timeout: float) -> tuple[float, LockStoreUnavailable]:
+    """How long db.connect took to give up on ``dsn``, and what it raised."""
+    started = time.monotonic()
+    with pytest.raises(LockStoreUnavailable) as raised:
+        db.connect(db.Target(dsn=dsn, connect_timeout=timeout), app_name="jobrun:test")
+    return time.monotonic() - started, raised.value
+
+
+class TestConnectDeadline:
+    """--connect-timeout is kept to the fraction of a second, not rounded up to libpq's 2 s."""
+
+    @pytest.mark.parametrize("timeout", [0.25, 1.0])
+    def test_silent_listener(self, silent_listener, timeout):
+        """A server that accepts and never answers: given up after the timeout."""
+        dsn = f"host=127.0.0.1 port={silent_listener} user=u dbname=d"
+        elapsed, error = connect_seconds(dsn, timeout)
+        assert timeout <= elapsed < LIBPQ_MINIMUM_TIMEOUT
+        assert error.reason == "unreachable"
+        assert f"no answer within {timeout:g}s" in str(error)
+
+    def test_blackholed_port(self, blackholed_port):
+        """A SYN nobody answers: given up after the timeout."""
+        dsn = f"host=127.0.0.1 port={blackholed_port} user=u dbname=d"
+        elapsed, error = connect_seconds(dsn, 0.25)
+        assert 0.25 <= elapsed < LIBPQ_MINIMUM_TIMEOUT
+        assert error.reason == "unreachable"
+
+    def test_run_exits_69_without_starting_the_child(self, silent_listener, key, tmp_path):
+        """The command line: exit 69, reason unreachable, the child never ran."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--connect-timeout",
+            "250ms",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=f"host=127.0.0.1 port={silent_listener} user=u dbname=d",
+        )
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == "unreachable"
+        assert not marker.exists()
+
+
+def run_marked(dsn: str, key: str, tmp_path: Path) -> tuple[CompletedProcess[str], Path]:
+    """A run whose child leaves a marker file, and that file's path."""
+    marker = tmp_path / "ran"
+    result = jobrun_cli.run("--key", key, "--", "touch", str(marker), dsn=dsn)
+    return result, marker
+
+
+class TestWhyItFailed:
+    """``reason`` tells an unreachable server from one that refused us; bad DSNs exit 64."""
+
+    @pytest.mark.parametrize(
+        ("change", "reason"),
+        [
+            ({"user": "no_such_role"}, "refused"),
+            ({"dbname": "no_such_database"}, "refused"),
+            ({"host": "127.0.0.1", "port": "1"}, "unreachable"),
+        ],
+    )
+    def test_reason(self, dsn, key, tmp_path, change, reason):
+        """Role or database missing: refused (the server answered); no listener: unreachable."""
+        params = {**psycopg.conninfo.conninfo_to_dict(dsn), **change}
+        params.pop("hostaddr", None)
+        result, marker = run_marked(psycopg.conninfo.make_conninfo("", **params), key, tmp_path)
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == reason
+        assert not marker.exists()
+
+    @pytest.mark.parametrize(
+        ("setting", "named"),
+        [("port=abc", '"abc"'), ("sslmode=bogus", '"bogus"'), ("target_session_attrs=x", '"x"')],
+    )
+    def test_bad_value_is_a_usage_error(self, dsn, key, tmp_path, setting, named):
+        """A value libpq rejects is a usage error (64) naming it, and the child never runs."""
+        result, marker = run_marked(f"{dsn} {setting}", key, tmp_path)
+        assert result.returncode == 64, result.stderr
+        assert named in result.stderr
+        assert "Traceback" not in result.stderr
+        assert not marker.exists()
+
+
+def fill_server(server_dsn: str, count: int) -> list[psycopg.Connection[tuple[object, ...]]]:
+    """Take ``count`` connection slots."""
+    return [psycopg.connect(server_dsn, autocommit=True) for _ in range(count)]
+
+
+def refusals(log: Path, words: str) -> int:
+    """How many times the server log says it turned a client away with ``words``."""
+    return log.read_text(errors="replace").count(words)
+
+
+class TestBusyServer:
+    """A server that is full or starting up is waited for until --connect-timeout runs out."""
+
+    SETTINGS: ClassVar[dict[str, str]] = {
+        "max_connections": "3",
+        "superuser_reserved_connections": "0",
+    }
+
+    def test_too_many_clients_is_waited_out(self, private_server_factory, key, tmp_path):
+        """Every slot taken: jobrun retries, and runs as soon as one is freed."""
+        server = private_server_factory({**self.SETTINGS, "reserved_connections": "0"})
+        held = fill_server(server.dsn(), 3)
+        before = refusals(server.log_path, "too many clients")
+        marker = tmp_path / "ran"
+        proc = jobrun_cli.start(
+            "--connect-timeout",
+            "60s",
+            "--no-history",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=server.dsn(),
+        )
+        try:
+            jobrun_cli.wait_until(
+                lambda: refusals(server.log_path, "too many clients") > before + 1,
+                what="jobrun to be turned away twice",
+            )
+            held.pop().close()
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            for conn in held:
+                conn.close()
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, stderr
+        assert marker.exists()
+
+    def test_full_until_the_timeout_is_refused(self, private_server_factory, key):
+        """Still full at --connect-timeout: exit 69, reason refused, in the server's words."""
+        server = private_server_factory({**self.SETTINGS, "reserved_connections": "0"})
+        held = fill_server(server.dsn(), 3)
+        try:
+            result = jobrun_cli.run(
+                "--connect-timeout",
+                "1s",
+                "--no-history",
+                "--key",
+                key,
+                "--",
+                "true",
+                dsn=server.dsn(),
+            )
+        finally:
+            for conn in held:
+                conn.close()
+        assert result.returncode == 69, result.stderr
+        unavailable = event(result.stderr, "lockstore_unavailable")
+        assert unavailable["reason"] == "refused"
+        assert "too many clients" in unavailable["error"]
+        assert "attempts" in unavailable["error"]
+
+    def test_starting_up_is_waited_out(self, private_server_factory, key, tmp_path):
+        """A server that does not accept connections yet (57P03): jobrun runs once it does."""
+        server = private_server_factory({"hot_standby": "off"})
+        server.become_standby(wait=False)
+        before = refusals(server.log_path, "not accepting connections")
+        marker = tmp_path / "ran"
+        proc = jobrun_cli.start(
+            "--connect-timeout",
+            "60s",
+            "--no-history",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=server.dsn(),
+        )
+        try:
+            jobrun_cli.wait_until(
+                lambda: refusals(server.log_path, "not accepting connections") > before,
+                what="jobrun to be told the server is not accepting connections",
+            )
+            server.signal_promotion()
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, stderr
+        assert marker.exists()
+
+
+class CutOnRollback:
+    """A TCP proxy that drops both sides the moment the client sends ROLLBACK."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._upstream = (host, port)
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._finished = 0
+        self._pumps: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._upstream)
+            for args in ((client, server, True), (server, client, False)):
+                pump = threading.Thread(target=self._pump, args=args, daemon=True)
+                self._pumps.append(pump)
+                pump.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if from_client and b"ROLLBACK" in data:
+                    self.cuts += 1
+                    break
+                dst.sendall(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:  # the second pump to finish closes both
+            self._finished += 1
+            if self._finished % 2 == 0:
+                src.close()
+                dst.close()
+
+    def close(self) -> None:
+        """Stop accepting and wait for every connection to be closed."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._acceptor.join(timeout=10)
+        for pump in self._pumps:
+            pump.join(timeout=10)
+
+
+class TestRollbackOnADeadSession:
+    """A transaction whose ROLLBACK cannot be sent is a lock-store error, never exit 70."""
+
+    def test_lease_acquire(self, dsn, pg_address, key, tmp_path):
+        """The lease is held elsewhere (the attempt rolls back), and the session dies then."""
+        marker = tmp_path / "holder"
+        holder = jobrun_cli.start(
+            "--mode", "lease", "--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn
+        )
+        proxy = CutOnRollback(*pg_address)
+        try:
+            jobrun_cli.wait_for_file(marker)
+            params = psycopg.conninfo.conninfo_to_dict(dsn)
+            params.pop("hostaddr", None)
+            cut = psycopg.conninfo.make_conninfo(
+                "", **{**params, "host": "127.0.0.1", "port": str(proxy.port)}
+            )
+            result = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=cut)
+        finally:
+            proxy.close()
+            jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        assert proxy.cuts >= 1
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == "error"
+
+
+class TestBytesThatAreNotUtf8:
+    """A command (or DSN) whose bytes are not UTF-8, in any locale."""
+
+    @pytest.mark.parametrize("lang", ["C", "C.UTF-8", "POSIX"])
+    def test_command_runs_and_is_recorded(self, dsn, key, tmp_path, lang):
+        """A program in a directory named with byte 0xff runs (0), a missing one is 127."""
+        directory = tmp_path / "bin\udcff"
+        directory.mkdir()
+        program = directory / "job\udcfe"
+        program.write_text("#!/bin/sh\nexit 0\n")
+        program.chmod(0o755)
+        env = {"LANG": lang, "LC_ALL": lang}
+        ran = jobrun_cli.run("--key", key, "--", str(program), "arg\udcfd", dsn=dsn, env=env)
+        assert ran.returncode == 0, ran.stderr
+        assert event(ran.stderr, "finished")["outcome"] == "succeeded"
+        assert "history_failed" not in ran.stderr
+        missing = jobrun_cli.run(
+            "--key", key, "--", str(directory / "gone\udcff"), dsn=dsn, env=env
+        )
+        assert missing.returncode == 127, missing.stderr
+        history = jobrun_cli.run("history", key, "--json", dsn=dsn, env=env)
+        assert history.returncode == 0, history.stderr
+        assert "job\\\\xfe" in history.stdout
+
+    def test_dsn_bytes_are_a_usage_error(self, key, tmp_path):
+        """A DSN that is not UTF-8 (application_name=\\xff): exit 64, the child never runs."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--key", key, "--", "touch", str(marker), dsn="host=127.0.0.1 application_name=\udcff"
+        )
+        assert result.returncode == 64, result.stderr
+        assert not marker.exists()
+
+    def test_pgappname_bytes_reach_the_child(self, dsn, key):
+        """PGAPPNAME with byte 0xff is passed on to the child as it was."""
+        result = jobrun_cli.run(
+            "--key",
+            key,
+            "--",
+            "sh",
+            "-c",
+            'test "$PGAPPNAME" = "$(printf "app\\377")"',
+            dsn=dsn,
+            env={"PGAPPNAME": "app\udcff"},
+        )
+        assert result.returncode == 0, result.stderr
