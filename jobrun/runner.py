@@ -47,6 +47,10 @@ class Recorder(Protocol):
         """Mark dead runs abandoned; return an earlier run that makes this one redundant."""
         ...
 
+    def paused(self) -> dict[str, object] | None:
+        """The pause (``jobrun pause``) of this key in force, as ``paused_*`` fields."""
+        ...
+
     def started(self, child_pid: int | None) -> None:
         """The child is running (never waits for the database)."""
         ...
@@ -207,6 +211,12 @@ class _GuardedRun:
                 if not checked_anyway:
                     return exc.exit_code
                 earlier = None
+            pause = self.recorder.paused()
+            if pause is not None:
+                # Not a streak: the operator asked for these skips.
+                log.info("skipped", reason="paused", exit_code=job.skip_exit_code, **pause)
+                self.recorder.skipped("paused", pause, job.skip_exit_code)
+                return job.skip_exit_code
             if earlier is not None:
                 fields = {f"previous_{name}": value for name, value in earlier.items()}
                 log.info("skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields)
@@ -270,6 +280,8 @@ def _outcome(ending: supervise.Ending) -> tuple[str, int]:
         return "timed_out", int(Exit.TIMED_OUT)
     if ending.stopped_for == "lock_lost":
         return "lock_lost", int(Exit.LOCK_LOST)
+    if ending.stopped_for == "stopped":
+        return "stopped", int(Exit.STOPPED)
     status = from_wait_status(ending.returncode)
     return ("succeeded" if status == 0 else "failed"), status
 
@@ -288,7 +300,13 @@ def _hold(until: float, log: FilteringBoundLogger) -> None:
 def _log_finished(
     ending: supervise.Ending, outcome: str, status: int, log: FilteringBoundLogger
 ) -> None:
-    emit = log.info if outcome == "succeeded" else log.warning if outcome == "failed" else log.error
+    emit = (
+        log.info
+        if outcome == "succeeded"
+        else log.warning
+        if outcome in {"failed", "stopped"}
+        else log.error
+    )
     emit(
         "finished",
         outcome=outcome,

@@ -14,6 +14,8 @@ from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
@@ -52,6 +54,8 @@ class Settings(NamedTuple):
     alert_repeat: float
     on_alert: str | None
     metrics_file: str | None
+    expect_every: float | None
+    expect_grace: float | None
     log_format: str
     log_file: str | None
     log_level: str
@@ -185,6 +189,20 @@ class Settings(NamedTuple):
     metavar="PATH",
     help="Prometheus textfile written after each run or skip ({key} is replaced).",
 )
+@options.option(
+    "--expect-every",
+    envvar="JOBRUN_EXPECT_EVERY",
+    type=options.Duration(minimum="1s", why="it is how often the job should succeed"),
+    metavar="DURATION",
+    help="The key should succeed this often: status --check says overdue past it plus grace.",
+)
+@options.option(
+    "--expect-grace",
+    envvar="JOBRUN_EXPECT_GRACE",
+    type=options.Duration(),
+    metavar="DURATION",
+    help="Slack past --expect-every before a key is overdue (default: 10% of it).",
+)
 @options.log
 @click.pass_context
 def cli(
@@ -212,6 +230,8 @@ def cli(
     alert_repeat: float,
     on_alert: str | None,
     metrics_file: str | None,
+    expect_every: float | None,
+    expect_grace: float | None,
     log_format: str,
     log_file: str | None,
     log_level: str,
@@ -244,6 +264,10 @@ def cli(
         heartbeat, lifetime = lease.heartbeat, lease.lifetime
     if once_per is not None and no_history:
         raise UsageError("--once-per needs the run history: drop --no-history")
+    if expect_every is not None and no_history:
+        raise UsageError("--expect-every is kept in the run history: drop --no-history")
+    if expect_grace is not None and expect_every is None:
+        raise UsageError("--expect-grace goes with --expect-every")
     settings = Settings(
         run_keys=run_keys,
         mode=mode,
@@ -267,6 +291,14 @@ def cli(
         alert_repeat=alert_repeat,
         on_alert=on_alert,
         metrics_file=metrics_file,
+        expect_every=expect_every,
+        expect_grace=(
+            None
+            if expect_every is None
+            else expect_grace
+            if expect_grace is not None
+            else expect_every / 10
+        ),
         log_format=log_format,
         log_file=log_file,
         log_level=log_level,
@@ -402,6 +434,8 @@ def _recorder(
         alert_repeat=settings.alert_repeat,
         on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
         metrics_file=settings.metrics_file,
+        expect_every=settings.expect_every,
+        expect_grace=settings.expect_grace,
         # WARNING: a history call holds the lock session (and so the heartbeat) up: its
         # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
         # in lease mode it must never outlast half of what a renewal vouches for.
@@ -416,7 +450,7 @@ def _recorder(
             config=config,
             log=log,
         )
-        return notify.NoHistory(notifier)
+        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
     return recorder.Recorder(
         target,
         identity,
@@ -428,3 +462,33 @@ def _recorder(
         environ=os.environ,
         shared=lock if isinstance(lock, SessionLock) else None,
     )
+
+
+def _pause_check(
+    settings: Settings, target: db.Target, lock: Lock, log: FilteringBoundLogger
+) -> Callable[[], dict[str, object] | None]:
+    """Without history, the pause check: a statement of its own, after the lock is taken.
+
+    Session mode: one more round trip on the lock session; lease mode: one more connection.
+    """
+    from jobrun import sql
+    from jobrun.history import calls, recorder
+    from jobrun.locks.session import SessionLock
+
+    checker = calls.Calls(
+        target,
+        app_name="jobrun-pause-check",
+        timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
+        log=log,
+        shared=lock if isinstance(lock, SessionLock) else None,
+    )
+
+    def check() -> dict[str, object] | None:
+        found = checker.run(
+            "checking for a pause",
+            (sql.PAUSES_IN_FORCE,),
+            {"pause_keys": recorder.pause_keys(settings.run_keys)},
+        )
+        return recorder.pause_fields(found[0][0]) if found and found[0] else None
+
+    return check
