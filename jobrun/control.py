@@ -92,7 +92,9 @@ def wait_for_end(
     }
     deadline = time.monotonic() + wait
     while True:
-        row = conn.execute(sql.STOP_STILL_HOLDS, params).fetchone()
+        row = conn.execute(
+            sql.STOP_STILL_LEASED if holder.mode == "lease" else sql.STOP_STILL_LOCKED, params
+        ).fetchone()
         if not (row and row[0]):
             outcome = conn.execute(sql.STOP_OUTCOME, (holder.run_id,)).fetchone()
             if outcome is None:

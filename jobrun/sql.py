@@ -248,15 +248,17 @@ WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
 ORDER BY lock_id LIMIT 1
 """
 
-#: Whether the run ``run_id`` still holds a lock: its lease, or (session mode) the backend
-#: whose statements announce it.
-STOP_STILL_HOLDS = """
+#: Whether the run still holds its lock: its lease (lease mode), or its lock session's
+#: advisory lock (session mode: the backend that held it when the stop was asked).
+STOP_STILL_LEASED = """
 SELECT EXISTS (SELECT 1 FROM jobrun.leases WHERE owner = %(run_id)s::uuid
-                 AND expires_at > clock_timestamp())
-    OR EXISTS (SELECT 1 FROM pg_locks AS l
-               WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-                 AND l.pid = %(backend_pid)s
-                 AND ((l.classid::int8 << 32) | l.objid::int8) = ANY(%(lock_ids)s::int8[]))
+               AND expires_at > clock_timestamp())
+"""
+STOP_STILL_LOCKED = """
+SELECT EXISTS (SELECT 1 FROM pg_locks
+               WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                 AND pid = %(backend_pid)s
+                 AND ((classid::int8 << 32) | objid::int8) = ANY(%(lock_ids)s::int8[]))
 """
 
 #: ``jobrun stop --force``: take the lock away from a run that did not end.
