@@ -29,6 +29,10 @@ _APP_PREFIX = "jobrun:"
 _SHORT_RUN_ID = 8
 #: History statements of ``status``/``history`` give up after this long.
 _STATEMENT_TIMEOUT_MS = "30000"
+#: A run is stuck past this many times its typical duration, and at least this many
+#: seconds past it.
+STUCK_FACTOR = 3.0
+STUCK_MINIMUM = 60.0
 
 
 @dataclass
@@ -51,6 +55,39 @@ class KeyStatus:
     failure_streak: int = 0
     last_skip_at: str | None = None
     extra_lock_ids: list[int] = field(default_factory=list)
+    #: ``jobrun pause``: by whom (host, user, pid), since, until, why (None: not paused).
+    paused: dict[str, object] | None = None
+    #: ``--expect-every`` and its grace, in seconds (None: no expectation).
+    expect_every: float | None = None
+    expect_grace: float | None = None
+    #: The last success started longer ago than expect_every + expect_grace.
+    overdue: bool = False
+    last_success_started_at: str | None = None
+    #: How long the run going now has run (None: none is going, per the history).
+    running_for: float | None = None
+
+    @property
+    def stuck(self) -> bool:
+        """Held by a run going on for over STUCK_FACTOR times its typical duration.
+
+        (And at least STUCK_MINIMUM seconds past it: a 2-second job is not stuck at 7 s.)
+        A key with no successful run yet has no typical duration and is never stuck.
+        """
+        if self.holder is None or self.running_for is None or self.typical_duration is None:
+            return False
+        limit = max(STUCK_FACTOR * self.typical_duration, self.typical_duration + STUCK_MINIMUM)
+        return self.running_for > limit
+
+    def attention(self, alert_after: int) -> list[str]:
+        """What ``status --check`` reports about this key: overdue, failing, stuck."""
+        found = []
+        if self.overdue:
+            found.append("overdue")
+        if alert_after > 0 and self.failure_streak >= alert_after:
+            found.append("failing")
+        if self.stuck:
+            found.append("stuck")
+        return found
 
     def as_json(self) -> dict[str, object]:
         """The stable JSON object (see docs/operations.md for every field)."""
@@ -70,6 +107,12 @@ class KeyStatus:
             "skip_streak": self.skip_streak,
             "failure_streak": self.failure_streak,
             "last_skip_at": self.last_skip_at,
+            "paused": self.paused,
+            "expect_every": self.expect_every,
+            "expect_grace": self.expect_grace,
+            "overdue": self.overdue,
+            "running_for": self.running_for,
+            "stuck": self.stuck,
         }
 
 
@@ -113,8 +156,15 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     for label in labels or history:
         found = history.get(label)
         rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
+    controls = _controls(conn, labels, notes)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
+        for label in controls:
+            rows.setdefault(label, KeyStatus(label, lock_ids_of(label)))
+    for label, fields in controls.items():
+        if label in rows:
+            for name, value in fields.items():
+                setattr(rows[label], name, value)
     for row in rows.values():
         for lock_id in sorted(row.lock_ids):
             holder = leases.get(lock_id, (None, None))[1] or advisory.get(lock_id, (None, None))[1]
@@ -168,6 +218,40 @@ def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[
             failure_streak=row["failure_streak"],
             last_skip_at=iso(row["last_skip_at"]),
         )
+    return found
+
+
+def _controls(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, Row]:
+    """Pauses, expectations and running runs: status fields by key label."""
+    params = {"all": not labels, "keys": list(labels)}
+    try:
+        pauses = _read(conn, sql.STATUS_PAUSES, params)
+        expectations = _read(conn, sql.STATUS_EXPECTATIONS, params)
+        running = _read(conn, sql.STATUS_RUNNING, params)
+    except errors.UndefinedTable:
+        return {}
+    except errors.InsufficientPrivilege as exc:
+        notes.append(f"pauses and expectations not readable: {' '.join(str(exc).split())}")
+        return {}
+    found: dict[str, Row] = {}
+    for pause in pauses:
+        found.setdefault(pause["key"], {})["paused"] = {
+            "host": pause["host"],
+            "user": pause["username"],
+            "pid": pause["pid"],
+            "since": iso(pause["paused_at"]),
+            "until": iso(pause["until"]),
+            "reason": pause["reason"],
+        }
+    for expected in expectations:
+        found.setdefault(expected["key"], {}).update(
+            expect_every=expected["every"],
+            expect_grace=expected["grace"],
+            overdue=bool(expected["overdue"]),
+            last_success_started_at=iso(expected["last_success_started_at"]),
+        )
+    for run in running:
+        found.setdefault(run["key"], {})["running_for"] = _seconds(run["running_for"])
     return found
 
 
@@ -299,6 +383,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
         "DEADLOCKS",
         "SKIPS",
         "FAILS",
+        "NOTE",
     )
     lines = [header]
     for row in rows:
@@ -317,6 +402,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
                 _count(row.last_deadlocks),
                 str(row.skip_streak),
                 str(row.failure_streak),
+                _note(row),
             )
         )
     return _align(lines)
@@ -375,6 +461,39 @@ def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:
         for pair in pairs
     )
     return _align(lines)
+
+
+def _note(row: KeyStatus) -> str:
+    """Paused (until when, by whom), overdue, stuck: what an operator should know at once."""
+    notes = []
+    if row.paused is not None:
+        until = row.paused["until"]
+        notes.append(
+            f"paused until {_when(str(until)) if until else 'resumed'} by "
+            f"{row.paused['user']}@{row.paused['host']}"
+        )
+    if row.overdue:
+        notes.append("overdue")
+    if row.stuck:
+        notes.append("stuck")
+    return ", ".join(notes) or "-"
+
+
+def check_lines(rows: Iterable[KeyStatus], alert_after: int) -> list[str]:
+    """``status --check``: one line per key that is overdue, failing or stuck."""
+    lines = []
+    for row in rows:
+        for what in row.attention(alert_after):
+            detail = {
+                "overdue": f"last success started {_when(row.last_success_started_at)}, "
+                f"expected every {_duration(row.expect_every)} "
+                f"(grace {_duration(row.expect_grace)})",
+                "failing": f"{row.failure_streak} failures in a row",
+                "stuck": f"running for {_duration(row.running_for)}, typically "
+                f"{_duration(row.typical_duration)}",
+            }[what]
+            lines.append(f"{what}: {row.key}: {detail}")
+    return lines
 
 
 def _count(value: int | None) -> str:
