@@ -12,6 +12,7 @@ from jobrun import supervise
 from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, from_wait_status
 from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
+from jobrun.slots import SlotLock
 from jobrun.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -49,6 +50,10 @@ class Recorder(Protocol):
 
     def paused(self) -> dict[str, object] | None:
         """The pause (``jobrun pause``) of this key in force, as ``paused_*`` fields."""
+        ...
+
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Record the run under these lock ids (``--slots``: its slot's)."""
         ...
 
     def started(self, child_pid: int | None) -> None:
@@ -164,6 +169,11 @@ class _GuardedRun:
             with supervise.signals_held() as child_mask:
                 self.status = self._run_child(child_mask, watchdog=None, recorder=NoHistory())
             return self.status
+        if holder is None and isinstance(self.lock, SlotLock) and self.lock.lock_id is not None:
+            # The history knows the run by its slot's lock id: a run in another slot of the
+            # key is alive, not abandoned.
+            log.info("slot_taken", slot=self.lock.slot, slot_lock_id=self.lock.lock_id)
+            self.recorder.use_lock_ids([self.lock.lock_id])
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
             self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
@@ -238,6 +248,8 @@ class _GuardedRun:
                 recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                 return int(Exit.LOCK_LOST)
         env = child_environment(self.environ, job, self.identity.run_id)
+        if isinstance(self.lock, SlotLock) and self.lock.slot is not None:
+            env["JOBRUN_SLOT"] = str(self.lock.slot)
         supervise.become_subreaper()
         started = time.monotonic()
         try:

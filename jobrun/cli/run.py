@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import click
 from click.core import ParameterSource
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
+    from jobrun.history.calls import SharedSession
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
@@ -56,6 +57,7 @@ class Settings(NamedTuple):
     metrics_file: str | None
     expect_every: float | None
     expect_grace: float | None
+    slots: int
     log_format: str
     log_file: str | None
     log_level: str
@@ -203,6 +205,15 @@ class Settings(NamedTuple):
     metavar="DURATION",
     help="Slack past --expect-every before a key is overdue (default: 10% of it).",
 )
+@options.option(
+    "--slots",
+    envvar="JOBRUN_SLOTS",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="At most N runs of the key at once (the child gets JOBRUN_SLOT, 0-based).",
+)
 @options.log
 @click.pass_context
 def cli(
@@ -232,6 +243,7 @@ def cli(
     metrics_file: str | None,
     expect_every: float | None,
     expect_grace: float | None,
+    slots: int,
     log_format: str,
     log_file: str | None,
     log_level: str,
@@ -266,6 +278,8 @@ def cli(
         raise UsageError("--once-per needs the run history: drop --no-history")
     if expect_every is not None and no_history:
         raise UsageError("--expect-every is kept in the run history: drop --no-history")
+    if slots > 1 and (len(run_keys) != 1 or run_keys[0].name is None):
+        raise UsageError("--slots takes one key name (--key NAME)")
     if expect_grace is not None and expect_every is None:
         raise UsageError("--expect-grace goes with --expect-every")
     settings = Settings(
@@ -299,6 +313,7 @@ def cli(
             if expect_grace is not None
             else expect_every / 10
         ),
+        slots=slots,
         log_format=log_format,
         log_file=log_file,
         log_level=log_level,
@@ -376,23 +391,16 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
         once_per=settings.once_per,
     )
     lock: Lock
-    if settings.mode == "lease":
-        from jobrun.locks import lease
+    if settings.slots > 1:
+        from jobrun import slots
 
-        lock = lease.LeaseLock(
-            run_keys, target, identity, bound, ttl=settings.ttl, lifetime=settings.lifetime
+        slot_keys = slots.slot_keys(run_keys[0], settings.slots)
+        lock = slots.SlotLock(
+            [_lock(settings, (key,), target, identity, bound) for key in slot_keys],
+            [key.lock_id for key in slot_keys],
         )
     else:
-        from jobrun.locks import session
-
-        lock = session.SessionLock(
-            run_keys,
-            target,
-            identity,
-            bound,
-            heartbeat=settings.heartbeat,
-            kill_after=settings.kill_after,
-        )
+        lock = _lock(settings, run_keys, target, identity, bound)
     recorder = _recorder(settings, target, identity, program=argv[0], log=bound, lock=lock)
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
@@ -405,6 +413,32 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
         )
     return runner.run(
         job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+    )
+
+
+def _lock(
+    settings: Settings,
+    run_keys: tuple[keys.Key, ...],
+    target: db.Target,
+    identity: Identity,
+    log: FilteringBoundLogger,
+) -> Lock:
+    """The lock of the run's mode on ``run_keys``."""
+    if settings.mode == "lease":
+        from jobrun.locks import lease
+
+        return lease.LeaseLock(
+            run_keys, target, identity, log, ttl=settings.ttl, lifetime=settings.lifetime
+        )
+    from jobrun.locks import session
+
+    return session.SessionLock(
+        run_keys,
+        target,
+        identity,
+        log,
+        heartbeat=settings.heartbeat,
+        kill_after=settings.kill_after,
     )
 
 
@@ -426,7 +460,6 @@ def _recorder(
     from jobrun import alerts
     from jobrun.history import notify, recorder
     from jobrun.history.config import HistoryConfig
-    from jobrun.locks.session import SessionLock
 
     config = HistoryConfig(
         keep=settings.keep,
@@ -460,7 +493,7 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
-        shared=lock if isinstance(lock, SessionLock) else None,
+        shared=_shared(settings, lock),
     )
 
 
@@ -473,14 +506,13 @@ def _pause_check(
     """
     from jobrun import sql
     from jobrun.history import calls, recorder
-    from jobrun.locks.session import SessionLock
 
     checker = calls.Calls(
         target,
         app_name="jobrun-pause-check",
         timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
         log=log,
-        shared=lock if isinstance(lock, SessionLock) else None,
+        shared=_shared(settings, lock),
     )
 
     def check() -> dict[str, object] | None:
@@ -492,3 +524,10 @@ def _pause_check(
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 
     return check
+
+
+def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
+    """Session mode: the lock session, lent to the history (the run's one server session)."""
+    if settings.mode != "session":
+        return None
+    return cast("SharedSession", lock)

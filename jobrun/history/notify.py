@@ -122,6 +122,9 @@ class NoHistory:
         self._notifier = notifier
         self._pauses = pauses
 
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Nothing is recorded."""
+
     def paused(self) -> dict[str, object] | None:
         """The pause of this key in force (a statement of its own: there is no history call)."""
         return self._pauses() if self._pauses is not None else None

@@ -159,6 +159,10 @@ class Recorder:
             "window_start": iso(found["window_start"]),
         }
 
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Record the run under these lock ids (``--slots``: the slot taken)."""
+        self._row["lock_ids"] = list(lock_ids)
+
     def paused(self) -> dict[str, object] | None:
         """The pause of this key that ``acquired`` found in force (None: not paused)."""
         return self._pause
