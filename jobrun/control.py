@@ -15,9 +15,10 @@ from psycopg import errors
 from jobrun import sql
 from jobrun.history.calls import ensure_schema
 from jobrun.history.config import iso
-from jobrun.keys import Key
+from jobrun.keys import LOCK_ID_PREFIX
 from jobrun.locks import Holder
 from jobrun.locks.session import session_holder
+from jobrun.slots import MAX_SLOTS, slot_lock_id
 from jobrun.status import lock_ids_of
 
 if TYPE_CHECKING:
@@ -40,9 +41,17 @@ def who_asks() -> dict[str, object]:
     return {"host": socket.gethostname(), "user": user, "pid": os.getpid()}
 
 
+def candidate_ids(label: str) -> list[int]:
+    """The lock ids a run of ``label`` may hold: the key's own, and its slots' (``--slots``)."""
+    lock_ids = lock_ids_of(label)
+    if "," not in label and not label.startswith(LOCK_ID_PREFIX):
+        lock_ids += [slot_lock_id(label, slot) for slot in range(MAX_SLOTS)]
+    return lock_ids
+
+
 def holder_of(conn: Connection, label: str) -> Holder | None:
     """The run holding ``label`` now: its lease (lease mode) or its advisory lock (session)."""
-    lock_ids = lock_ids_of(label)
+    lock_ids = candidate_ids(label)
     try:
         row = conn.execute(sql.STOP_LEASE_HOLDER, (lock_ids,)).fetchone()
     except errors.UndefinedTable:
@@ -50,10 +59,9 @@ def holder_of(conn: Connection, label: str) -> Holder | None:
     if row is not None:
         owner, host, pid = row
         return Holder(key=label, mode="lease", host=str(host), pid=int(str(pid)), run_id=owner)
-    for lock_id in lock_ids:
-        found = conn.execute(sql.ADVISORY_HOLDER, Key(lock_id).pg_locks_pair).fetchone()
-        if found is not None:
-            return dataclasses.replace(session_holder(label, found), mode="session")
+    found = conn.execute(sql.SESSION_HOLDER_OF_ANY, {"lock_ids": lock_ids}).fetchone()
+    if found is not None:
+        return dataclasses.replace(session_holder(label, found[1:]), mode="session")
     return None
 
 
@@ -88,7 +96,7 @@ def wait_for_end(
     params = {
         "run_id": holder.run_id,
         "backend_pid": holder.backend_pid or 0,
-        "lock_ids": lock_ids_of(label),
+        "lock_ids": candidate_ids(label),
     }
     deadline = time.monotonic() + wait
     while True:

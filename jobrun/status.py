@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from jobrun.durations import format_seconds
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
+from jobrun.slots import MAX_SLOTS, slot_lock_id
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -65,6 +67,8 @@ class KeyStatus:
     last_success_started_at: str | None = None
     #: How long the run going now has run (None: none is going, per the history).
     running_for: float | None = None
+    #: ``--slots``: how many slots of the key are held now (0: none, or no slots).
+    slots_in_use: int = 0
 
     @property
     def stuck(self) -> bool:
@@ -113,6 +117,7 @@ class KeyStatus:
             "overdue": self.overdue,
             "running_for": self.running_for,
             "stuck": self.stuck,
+            "slots_in_use": self.slots_in_use,
         }
 
 
@@ -171,8 +176,25 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
             if holder is not None:
                 row.holder = holder
                 break
+    _add_slots(rows.values(), {**advisory, **leases})
     ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
     return Report(keys=ordered, notes=notes)
+
+
+def _add_slots(rows: Iterable[KeyStatus], held: dict[int, tuple[str | None, Holder]]) -> None:
+    """``--slots``: how many slots of each key are held, and a holder if none was found."""
+    for row in rows:
+        if "," in row.key or row.key.startswith(keys.LOCK_ID_PREFIX):
+            continue
+        slot_ids = _slot_ids(row.key)
+        in_use = [
+            holder
+            for lock_id, (label, holder) in held.items()
+            if lock_id in slot_ids and label == row.key
+        ]
+        if in_use:
+            row.slots_in_use = len(in_use)
+            row.holder = row.holder or in_use[0]
 
 
 def _add_unknown_holders(
@@ -322,7 +344,16 @@ def _label_from_app(lock_id: int, app_name: object) -> str | None:
     for candidate in (label, *label.split(",")):
         if candidate and _lock_id_of(candidate) == lock_id:
             return candidate
+    # A run with --slots holds a slot's lock under its key's name.
+    if not label.startswith(keys.LOCK_ID_PREFIX) and lock_id in _slot_ids(label):
+        return label
     return f"lock-id:{lock_id}"
+
+
+@functools.cache
+def _slot_ids(name: str) -> frozenset[int]:
+    """Every slot lock id a key may have (``--slots`` up to MAX_SLOTS)."""
+    return frozenset(slot_lock_id(name, slot) for slot in range(MAX_SLOTS))
 
 
 def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
@@ -472,6 +503,8 @@ def _note(row: KeyStatus) -> str:
             f"paused until {_when(str(until)) if until else 'resumed'} by "
             f"{row.paused['user']}@{row.paused['host']}"
         )
+    if row.slots_in_use:
+        notes.append(f"{row.slots_in_use} slots in use")
     if row.overdue:
         notes.append("overdue")
     if row.stuck:

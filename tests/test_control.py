@@ -1,4 +1,4 @@
-"""Operators in control, through the real CLI: stop, pause/resume, overdue keys."""
+"""Operators in control, through the real CLI: stop, pause/resume, overdue keys, slots."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import json
 
 import psycopg
 import pytest
+
+from jobrun.keys import lock_id_for
+from jobrun.slots import slot_lock_id
 from support import jobrun_cli
 from support.history import rows_of
 from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 MODES = ("session", "lease")
+#: The lock id of slot 0 of nightly-export (docs/control.md shows it too).
+SLOT_0_OF_NIGHTLY_EXPORT = -7738332938438756051
 
 
 def _holder(key: str, mode: str, marker, *args: str, dsn: str):
@@ -195,7 +200,9 @@ class TestPause:
 
     def test_status_shows_the_pause(self, dsn, key):
         """status --json: paused by whom, since, until, why."""
-        assert jobrun_cli.run("pause", key, "--for", "1h", "--reason", "why", dsn=dsn).returncode == 0
+        assert (
+            jobrun_cli.run("pause", key, "--for", "1h", "--reason", "why", dsn=dsn).returncode == 0
+        )
         result = jobrun_cli.run("status", key, "--json", dsn=dsn)
         (row,) = json.loads(result.stdout)
         assert row["paused"]["reason"] == "why"
@@ -281,4 +288,80 @@ class TestOverdue:
         assert f"overdue: {key}" in result.stderr
 
 
+class TestSlots:
+    """--slots N: at most N runs of the key at once, each in a slot of its own."""
 
+    @pytest.mark.parametrize("mode", MODES)
+    def test_burst_of_ten_never_exceeds_three_slots(self, dsn, key, tmp_path, mode):
+        """10 starters with --slots 3: each slot held by one child at a time, at most 3 at once.
+
+        Each child takes an exclusive flock on its slot's file (a second holder of a slot
+        would fail it) and counts the children inside at once by marker files.
+        """
+        body = (
+            "import fcntl, os, sys, time\n"
+            f"d = {str(tmp_path)!r}\n"
+            "slot = os.environ['JOBRUN_SLOT']\n"
+            "f = open(os.path.join(d, 'slot' + slot), 'a')\n"
+            "try:\n"
+            "    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+            "except BlockingIOError:\n"
+            "    open(os.path.join(d, 'violation'), 'a').write(slot + '\\n')\n"
+            "    sys.exit(3)\n"
+            "mine = os.path.join(d, 'in-%d' % os.getpid())\n"
+            "open(mine, 'w').close()\n"
+            "inside = len([n for n in os.listdir(d) if n.startswith('in-')])\n"
+            "open(os.path.join(d, 'log'), 'a').write('%s %d\\n' % (slot, inside))\n"
+            "time.sleep(0.5)\n"
+            "os.remove(mine)\n"
+        )
+        procs = [
+            jobrun_cli.start(
+                "--key",
+                key,
+                "--mode",
+                mode,
+                "--slots",
+                "3",
+                "--wait",
+                "60s",
+                "--",
+                *jobrun_cli.child_script(body),
+                dsn=dsn,
+            )
+            for _ in range(10)
+        ]
+        outputs = [proc.communicate(timeout=120)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0] * 10, outputs
+        assert not (tmp_path / "violation").exists()
+        lines = [line.split() for line in (tmp_path / "log").read_text().splitlines()]
+        assert len(lines) == 10
+        assert {slot for slot, _ in lines} <= {"0", "1", "2"}
+        assert max(int(inside) for _, inside in lines) <= 3
+
+    def test_all_slots_taken_skips(self, dsn, key, tmp_path):
+        """With both of 2 slots held, a third run skips (75); status shows 2 slots in use."""
+        markers = [tmp_path / "a", tmp_path / "b"]
+        procs = [
+            jobrun_cli.start(
+                "--key", key, "--slots", "2", "--", *jobrun_cli.holder_marker(m), dsn=dsn
+            )
+            for m in markers
+        ]
+        try:
+            for marker in markers:
+                wait_for_file(marker)
+            third = jobrun_cli.run("--key", key, "--slots", "2", "--", "true", dsn=dsn)
+            assert third.returncode == 75, third.stderr
+            (row,) = json.loads(jobrun_cli.run("status", key, "--json", dsn=dsn).stdout)
+            assert row["slots_in_use"] == 2
+            assert row["held"]
+        finally:
+            for proc in procs:
+                jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
+
+    def test_slot_ids_are_pinned(self):
+        """The slot lock id formula never changes silently."""
+        assert slot_lock_id("nightly-export", 0) == lock_id_for("nightly-export\nslot 0")
+        assert slot_lock_id("nightly-export", 2) != slot_lock_id("nightly-export", 0)
+        assert slot_lock_id("nightly-export", 0) == SLOT_0_OF_NIGHTLY_EXPORT
