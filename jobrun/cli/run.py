@@ -257,8 +257,8 @@ def cli(
 
     Every option can also be set from the environment variable shown with it.
     Exit status: the child's own; 75 skipped; 69 database unavailable; 64 usage error;
-    76 lock lost; 124 timed out; 126/127 command not executable / not found; 74 output
-    error; 141 output pipe closed.
+    76 lock lost; 77 stopped (jobrun stop); 124 timed out; 126/127 command not executable /
+    not found; 74 output error; 141 output pipe closed.
     """
     if ctx.invoked_subcommand is not None:
         return None
