@@ -9,19 +9,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrun import supervise
-from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, from_wait_status
+from jobrun.exitcodes import Exit, Interrupted, LockLost, LockStoreUnavailable, from_wait_status
 from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
 from jobrun.slots import SlotLock
 from jobrun.watchdog import Watchdog
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping
     from types import FrameType
 
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.locks import Identity, Lock
+    from jobrun.ping import Pinger
+    from jobrun.tail import Capture
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,22 @@ def run(
     environ: Mapping[str, str],
     log: FilteringBoundLogger,
     recorder: Recorder | None = None,
+    pinger: Pinger | None = None,
+    capture: Capture | None = None,
+    fencer: Callable[[], int] | None = None,
 ) -> int:
-    """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status."""
+    """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status.
+
+    Operators' extras, each optional: ``pinger`` (--ping: start and skip pings; the end
+    ping is the caller's, after the release), ``capture`` (--keep-output: the child's
+    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE).
+    """
     recorder = recorder or NoHistory()
     guarded = _GuardedRun(
         job, lock=lock, identity=identity, environ=environ, log=log, recorder=recorder
     )
+    # --- operators (jobrun.ping, jobrun.tail, jobrun.fence) ---
+    guarded.pinger, guarded.capture, guarded.fencer = pinger, capture, fencer
     try:
         with _interruptible():
             return guarded.run()
@@ -156,6 +168,10 @@ class _GuardedRun:
         self.recorder = recorder
         #: jobrun's exit status, once the run is over.
         self.status: int | None = None
+        # --- operators (jobrun.ping, jobrun.tail, jobrun.fence) ---
+        self.pinger: Pinger | None = None
+        self.capture: Capture | None = None
+        self.fencer: Callable[[], int] | None = None
 
     def run(self) -> int:
         job, log = self.job, self.log
@@ -177,6 +193,8 @@ class _GuardedRun:
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
             self.recorder.skipped("locked", holder.fields(), job.skip_exit_code)
+            if self.pinger is not None:  # --- operators: --ping
+                self.pinger.skipped("locked", holder.fields())
             return job.skip_exit_code
         try:
             # From here on, signals wait for the supervisor (or are dropped during the release).
@@ -231,12 +249,27 @@ class _GuardedRun:
                 fields = {f"previous_{name}": value for name, value in earlier.items()}
                 log.info("skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields)
                 self.recorder.skipped("already_ran", fields, job.skip_exit_code)
+                if self.pinger is not None:  # --- operators: --ping
+                    self.pinger.skipped("already_ran", fields)
                 return job.skip_exit_code
+            # --- operators: --fence (a token taken while the lock is provably held) ---
+            if self.fencer is not None:
+                try:
+                    token = self.fencer()
+                except LockLost as exc:
+                    log.error("lock_lost", reason=str(exc), action="not_started")
+                    self.recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
+                    return int(Exit.LOCK_LOST)
+                except LockStoreUnavailable as exc:
+                    log.error(exc.event, reason=exc.reason, error=str(exc), fence=True)
+                    return exc.exit_code
+                self.environ = {**self.environ, "JOBRUN_FENCE": str(token)}
+            # --- end operators ---
             return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)
         finally:
             watchdog.stop()
 
-    def _run_child(
+    def _run_child(  # noqa: C901 - the operators' optional steps, in marked blocks
         self, child_mask: frozenset[int], *, watchdog: Watchdog | None, recorder: Recorder
     ) -> int:
         """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded)."""
@@ -252,16 +285,24 @@ class _GuardedRun:
             env["JOBRUN_SLOT"] = str(self.lock.slot)
         supervise.become_subreaper()
         started = time.monotonic()
+        capture = self.capture  # --- operators: --keep-output
+        stdio = capture.child_fds() if capture is not None else None
         try:
-            child = supervise.spawn(job.argv, env, child_mask)
+            child = supervise.spawn(job.argv, env, child_mask, stdio=stdio)
         except supervise.ExecFailed as exc:
+            if capture is not None:  # --- operators: --keep-output
+                capture.close()
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
             recorder.exec_failed(exc.exit_code)
             return exc.exit_code
+        if capture is not None:  # --- operators: --keep-output
+            capture.begin()
         try:
             guarded = watchdog is not None
             log.info("started", command=job.argv[0], child_pid=child.pid, guarded=guarded)
             recorder.started(child.pid)
+            if self.pinger is not None:  # --- operators: --ping
+                self.pinger.start()
             ending = supervise.supervise(
                 child,
                 timeout=job.timeout,
@@ -270,6 +311,8 @@ class _GuardedRun:
                 terminate_on_lock_lost=job.on_lock_lost == "terminate",
                 log=log,
             )
+            if capture is not None:  # --- operators: --keep-output (the group is gone)
+                capture.finish()
             outcome, status = _outcome(ending)
             # The line first: the history write may take a few seconds on a bad network.
             _log_finished(ending, outcome, status, log)
@@ -282,6 +325,8 @@ class _GuardedRun:
             # WARNING: jobrun itself failed (a bug) while the child may still run: the lock
             # is released next, so the child's group dies first (at most one run, always).
             supervise.abort(child)
+            if capture is not None:  # --- operators: --keep-output
+                capture.finish()
             raise
         return status
 

@@ -6,7 +6,8 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 
 # --- session mode: advisory locks on a dedicated connection ---------------------------------
 
-#: Make the lock session immune to server-side idle timeouts (PITFALLS 2). 14+ knows both.
+#: Make the lock session immune to server-side idle timeouts (a role or database setting would
+#: otherwise end the session, and with it the lock, while the child runs). 14+ knows both.
 SESSION_IMMUNE_14 = (
     "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0; "
     "SET statement_timeout = 0; "
@@ -17,7 +18,8 @@ SESSION_IMMUNE_14 = (
 SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
 
 #: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
-#: them), so the server ends the session of a host that vanished (PITFALLS 3); and whether
+#: them), so the server ends the session of a host that vanished (the OS default keeps a
+#: half-open connection, and the lock, for over 2 hours); and whether
 #: the server is a standby (its advisory locks are its own: shared with nobody else).
 SESSION_SETUP = """
 SELECT set_config('tcp_keepalives_idle', %s, false),
@@ -41,8 +43,8 @@ UNLOCK = "SELECT pg_advisory_unlock(%s)"
 SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %s, false)"
 
 #: How many of our lock ids this very backend holds. A bigint advisory key is stored as
-#: classid (high 32 bits) and objid (low 32 bits) with objsubid 1 (PITFALLS 11); the shift
-#: wraps, so negative ids come back exactly.
+#: classid (high 32 bits) and objid (low 32 bits) with objsubid 1 (an int4 pair would be
+#: objsubid 2); the shift wraps, so negative ids come back exactly.
 HELD_BY_US = """
 SELECT count(*) FROM pg_locks
 WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()
@@ -812,4 +814,38 @@ SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 WHERE application_name = ANY(%(names)s)
   AND datid = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND pid <> pg_backend_pid()
+"""
+
+# --- operators: fencing tokens, kept output ----------------------------------------------------
+
+#: One sequence for every key: a token is greater than every token handed out before it,
+#: whichever key, host or lock mode took it. CACHE 1 (the default, spelled out): a session
+#: that cached values would hand out numbers smaller than ones another session already used.
+FENCE_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE SEQUENCE IF NOT EXISTS jobrun.fence AS bigint MINVALUE 1 NO CYCLE CACHE 1;
+"""
+
+FENCE_NEXT = "SELECT nextval('jobrun.fence')"
+
+#: The output tails of a run, in its history row (nullable: only runs that kept output).
+RUNS_TAIL_COLUMNS = """
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stdout_tail bytea;
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
+"""
+
+RUNS_STORE_TAIL = """
+UPDATE jobrun.runs SET stdout_tail = %(stdout)s, stderr_tail = %(stderr)s
+WHERE run_id = %(run_id)s
+"""
+
+RUNS_TAIL = """
+SELECT run_id, key, host, outcome, exit_code, started_at, stdout_tail, stderr_tail
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""
+
+#: The run without tails, in a history that never kept any (the columns do not exist yet).
+RUNS_TAIL_NONE = """
+SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
+FROM jobrun.runs WHERE run_id = %(run_id)s
 """

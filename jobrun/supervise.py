@@ -110,9 +110,18 @@ def become_subreaper() -> None:
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], child_mask: frozenset[int]
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    child_mask: frozenset[int],
+    *,
+    stdio: tuple[int, int] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` (no shell) in a new process group that dies with us; raise ExecFailed."""
+    """Start ``argv`` (no shell) in a new process group that dies with us; raise ExecFailed.
+
+    ``stdio``: descriptors for the child's stdout and stderr (--keep-output's pipes); by
+    default it inherits ours.
+    """
+    out, err = stdio if stdio is not None else (None, None)  # --- operators: --keep-output
     prctl = _libc_prctl()
     parent = os.getpid()
 
@@ -122,14 +131,20 @@ def spawn(
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             # WARNING: if jobrun died before prctl took effect, nobody will send the
-            # signal (PITFALLS 7): check the parent is still the one that forked us.
+            # signal (the fork -> prctl race): check the parent is still the one that forked us.
             if os.getppid() != parent:
                 os.kill(os.getpid(), signal.SIGKILL)
         signal.signal(WAKE, signal.SIG_DFL)  # an ignored signal would stay ignored after exec
         signal.pthread_sigmask(signal.SIG_SETMASK, child_mask)
 
     try:
-        return subprocess.Popen(list(argv), env=dict(env), preexec_fn=in_child)  # noqa: PLW1509 - the fork->exec setup needs it; no thread runs yet
+        return subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            preexec_fn=in_child,  # noqa: PLW1509 - the fork->exec setup needs it (async-signal-safe calls only)
+            stdout=out,
+            stderr=err,
+        )
     except FileNotFoundError as exc:
         raise ExecFailed(f"{argv[0]}: command not found ({exc.strerror})", Exit.NOT_FOUND) from None
     except PermissionError as exc:

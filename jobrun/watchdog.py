@@ -24,7 +24,7 @@ class Watchdog:
     ``stop_at`` (the monotonic time by which the child must be told to stop unless a newer
     check succeeds). A check that fails without proof of loss - an error, a timeout, an
     answer that never came - does not move ``stop_at``: an ambiguous heartbeat counts as
-    no heartbeat (PITFALLS 4).
+    no heartbeat (a renewal whose answer was lost may or may not have happened).
     """
 
     def __init__(

@@ -26,6 +26,9 @@ from support.proxy import TcpProxy
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
 
+#: Fixtures shared by several test files (databases and roles of a test's own; history).
+pytest_plugins = ["support.fixtures", "support.history"]
+
 #: Point the tests at an existing server (libpq key=value or URI); unset: a private one.
 DSN_ENV = "JOBRUN_TEST_DSN"
 

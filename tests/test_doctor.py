@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -17,10 +16,9 @@ from jobrun.cli.ops import register
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import ensure_schema
 from support import jobrun_cli
-from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
 
 
 @pytest.fixture
@@ -42,40 +40,6 @@ def findings(result: click.testing.Result) -> dict[str, dict[str, Any]]:
     """The --json report by check name."""
     assert result.exception is None, result.output
     return {row["check"]: row for row in json.loads(result.stdout)}
-
-
-@pytest.fixture
-def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
-    """A database of this test's own, without the jobrun schema."""
-    name = f"jobrun_fresh_{uuid.uuid4().hex[:12]}"
-    create_database(pg_admin_dsn, name)
-    try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
-    finally:
-        drop_database(pg_admin_dsn, name)
-
-
-@pytest.fixture
-def role(pg_admin_dsn) -> Iterator[Callable[..., str]]:
-    """``make(database_dsn, *statements) -> dsn``: a login role, set up by ``statements``."""
-    made: list[tuple[str, str]] = []
-
-    def make(database_dsn: str, *statements: str) -> str:
-        name = f"jobrun_role_{uuid.uuid4().hex[:10]}"
-        made.append((name, database_dsn))
-        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(name)))
-        with psycopg.connect(database_dsn, autocommit=True) as conn:
-            for statement in statements:
-                conn.execute(pgsql.SQL(statement).format(role=pgsql.Identifier(name)))
-        return make_conninfo(database_dsn, user=name)
-
-    yield make
-    for name, database_dsn in made:
-        with psycopg.connect(database_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(name)))
-        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(name)))
 
 
 class TestReport:
@@ -138,14 +102,14 @@ class TestSchemaAndPrivileges:
 
     def test_lease_mode_fails_when_nothing_can_be_created(self, doctor, fresh_dsn, role):
         """No schema and no CREATE on the database: FAIL in lease mode, exit 1."""
-        limited = role(fresh_dsn)
+        limited = role(database_dsn=fresh_dsn)
         result = doctor(limited, "--mode", "lease", "--json")
         assert findings(result)["schema"]["status"] == "FAIL"
         assert result.return_value == 1
 
     def test_session_mode_only_warns_when_nothing_can_be_created(self, doctor, fresh_dsn, role):
         """The same in session mode: WARN (only the history is lost), exit 0."""
-        limited = role(fresh_dsn)
+        limited = role(database_dsn=fresh_dsn)
         result = doctor(limited, "--json")
         assert findings(result)["schema"]["status"] == "WARN"
         assert result.return_value == 0
@@ -155,9 +119,9 @@ class TestSchemaAndPrivileges:
         with psycopg.connect(fresh_dsn, autocommit=True) as conn:
             ensure_schema(conn)
         limited = role(
-            fresh_dsn,
             "GRANT USAGE ON SCHEMA jobrun TO {role}",
             "GRANT SELECT ON jobrun.runs TO {role}",
+            database_dsn=fresh_dsn,
         )
         row = findings(doctor(limited, "--json"))["jobrun.runs"]
         assert row["status"] == "WARN"
@@ -172,9 +136,9 @@ class TestSchemaAndPrivileges:
             pytest.skip("the test server's role is not a superuser")
         assert findings(doctor(dsn, "--json"))["role"]["status"] == "WARN"
 
-    def test_a_plain_role_is_ok(self, doctor, dsn, role):
+    def test_a_plain_role_is_ok(self, doctor, role):
         """A role that is neither superuser nor privileged: OK."""
-        row = findings(doctor(role(dsn), "--json"))["role"]
+        row = findings(doctor(role(), "--json"))["role"]
         assert row["status"] == "OK"
         assert "not a superuser" in row["detail"]
 
@@ -184,7 +148,9 @@ class TestRolesThatCannotWork:
 
     def test_a_read_only_role_fails_lease_mode(self, doctor, fresh_dsn, role):
         """default_transaction_read_only = on: FAIL in lease mode, naming the setting; exit 1."""
-        limited = role(fresh_dsn, "ALTER ROLE {role} SET default_transaction_read_only = on")
+        limited = role(
+            "ALTER ROLE {role} SET default_transaction_read_only = on", database_dsn=fresh_dsn
+        )
         result = doctor(limited, "--mode", "lease", "--json")
         rows = findings(result)
         assert rows["default_transaction_read_only"]["status"] == "FAIL"
@@ -195,7 +161,9 @@ class TestRolesThatCannotWork:
 
     def test_a_read_only_role_warns_session_mode(self, doctor, fresh_dsn, role):
         """The same role in session mode: runs work, history and --once-per do not: WARN."""
-        limited = role(fresh_dsn, "ALTER ROLE {role} SET default_transaction_read_only = on")
+        limited = role(
+            "ALTER ROLE {role} SET default_transaction_read_only = on", database_dsn=fresh_dsn
+        )
         result = doctor(limited, "--json")
         row = findings(result)["default_transaction_read_only"]
         assert row["status"] == "WARN"
@@ -204,7 +172,7 @@ class TestRolesThatCannotWork:
 
     def test_a_one_millisecond_statement_timeout_is_named(self, doctor, fresh_dsn, role):
         """statement_timeout = 1 ms: every check still runs, and the setting is the finding."""
-        limited = role(fresh_dsn, "ALTER ROLE {role} SET statement_timeout = 1")
+        limited = role("ALTER ROLE {role} SET statement_timeout = 1", database_dsn=fresh_dsn)
         session = doctor(limited, "--json")
         rows = findings(session)
         assert not [row for row in rows.values() if "could not check" in row["detail"]], rows
@@ -217,11 +185,11 @@ class TestRolesThatCannotWork:
     def test_a_check_that_cannot_run_is_unknown_and_fails(self, doctor, fresh_dsn, role):
         """Check queries refused (catalog access revoked): UNKNOWN lines, exit 1, never OK."""
         limited = role(
-            fresh_dsn,
             "REVOKE SELECT ON pg_catalog.pg_settings FROM PUBLIC",
             "REVOKE EXECUTE ON FUNCTION pg_catalog.current_setting(text) FROM PUBLIC",
             "REVOKE EXECUTE ON FUNCTION pg_catalog.current_setting(text, boolean) FROM PUBLIC",
             "REVOKE EXECUTE ON FUNCTION pg_catalog.pg_is_in_recovery() FROM PUBLIC",
+            database_dsn=fresh_dsn,
         )
         result = doctor(limited, "--json")
         rows = findings(result)
@@ -268,7 +236,7 @@ class TestSettings:
 
     def test_a_role_level_idle_session_timeout_is_reported(self, doctor, dsn, role):
         """ALTER ROLE ... SET idle_session_timeout shows, with why it is harmless here."""
-        limited = role(dsn)
+        limited = role()
         user = psycopg.conninfo.conninfo_to_dict(limited)["user"]
         with psycopg.connect(dsn, autocommit=True) as conn:
             if conn.info.server_version < 140000:

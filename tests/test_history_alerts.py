@@ -1,7 +1,5 @@
 """Streak alerts against a real PostgreSQL: skips and failures in a row, reminders, hooks."""
 
-# ruff: noqa: F811 - the fixtures come from support.history
-
 from __future__ import annotations
 
 import json
@@ -19,16 +17,7 @@ from jobrun import alerts
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import HistoryConfig, iso
 from support import jobrun_cli
-from support.history import (  # noqa: F401 - fixtures
-    Run,
-    captured,
-    holder,
-    hook,
-    hook_calls,
-    make_recorder,
-    row_of,
-    rows_of,
-)
+from support.history import Run, holder, hook, hook_calls, rows_of
 from support.jobrun_cli import wait_until
 
 

@@ -1,7 +1,5 @@
 """A history that cannot be used: --once-per fails closed, plain history warns once and runs."""
 
-# ruff: noqa: F811 - the fixtures come from support.history
-
 from __future__ import annotations
 
 import uuid
@@ -13,15 +11,7 @@ from psycopg import sql as pgsql
 
 from jobrun.history.config import HistoryConfig
 from support import jobrun_cli
-from support.history import (  # noqa: F401 - fixtures
-    captured,
-    ensure_runs_table,
-    fresh_dsn,
-    holder,
-    make_recorder,
-    role,
-    rows_of,
-)
+from support.history import ensure_runs_table, holder, rows_of
 from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 if TYPE_CHECKING:

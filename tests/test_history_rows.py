@@ -1,7 +1,5 @@
 """Run history rows against a real PostgreSQL: the table, runs, abandoned runs, --once-per."""
 
-# ruff: noqa: F811 - the fixtures come from support.history
-
 from __future__ import annotations
 
 import subprocess
@@ -15,16 +13,7 @@ import pytest
 from jobrun import keys
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import HistoryConfig
-from support.history import (  # noqa: F401 - fixtures
-    Run,
-    captured,
-    fresh_dsn,
-    holder,
-    make_recorder,
-    row_of,
-    rows_of,
-    table_exists,
-)
+from support.history import Run, holder, row_of, rows_of
 from support.jobrun_cli import wait_until
 
 

@@ -1,7 +1,5 @@
 """What history costs a run on the server: sessions, round trips; what it records: deadlocks."""
 
-# ruff: noqa: F811 - the fixtures come from support.history
-
 from __future__ import annotations
 
 import sys
@@ -10,7 +8,7 @@ import psycopg
 import pytest
 
 from support import jobrun_cli
-from support.history import ensure_runs_table, fresh_dsn, row_of, rows_of  # noqa: F401
+from support.history import ensure_runs_table, rows_of
 from support.jobrun_cli import event, wait_for_file, wait_until
 
 

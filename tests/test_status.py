@@ -13,7 +13,6 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from psycopg import sql as pgsql
-from psycopg.conninfo import make_conninfo
 
 from jobrun import db, keys, log
 from jobrun.cli.ops import register
@@ -23,7 +22,6 @@ from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
 from support import jobrun_cli
 from support.jobrun_cli import wait_for_file
-from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -109,17 +107,6 @@ def status_json(ops, dsn: str, *labels: str) -> list[dict[str, Any]]:
 def one_status(ops, dsn: str, label: str) -> dict[str, Any]:
     (row,) = status_json(ops, dsn, label)
     return row
-
-
-@pytest.fixture
-def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
-    """A database of this test's own, without the jobrun schema."""
-    name = f"jobrun_fresh_{uuid.uuid4().hex[:12]}"
-    create_database(pg_admin_dsn, name)
-    try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
-    finally:
-        drop_database(pg_admin_dsn, name)
 
 
 @pytest.fixture

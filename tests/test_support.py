@@ -5,19 +5,22 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import select
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from support import pgbouncer as pgbouncer_module
-from support.pgserver import PgServer, find_pg_bin
+from support.failover import FailoverPair
+from support.managed import Managed
+from support.pgbouncer import PgBouncer
+from support.pgserver import TEMP_ROOT_ENV, PgServer, PgServerError, find_pg_bin
+from support.proxy import TcpProxy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from support.pgbouncer import PgBouncer
-    from support.proxy import TcpProxy
 
 ADVISORY_HELD_HERE = """
 SELECT count(*) FROM pg_locks
@@ -110,6 +113,64 @@ def test_private_server_context_manager_cleans_up() -> None:
     assert not server.running
     assert not base_dir.exists()
     server.cleanup()  # idempotent
+
+
+@pytest.mark.fault
+def test_a_server_that_fails_to_start_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root = Path(tempfile.mkdtemp(prefix="jobrun-test-root-"))
+    root.chmod(0o755)  # the demoted server user must reach it when the tests run as root
+    monkeypatch.setenv(TEMP_ROOT_ENV, str(root))
+    try:
+        with pytest.raises(PgServerError, match="exited during startup"):
+            PgServer.start({"max_connections": "not a number"})
+        assert list(root.iterdir()) == []
+    finally:
+        root.rmdir()
+
+
+def test_servers_poolers_and_proxies_share_one_lifecycle() -> None:
+    for managed in (PgServer, PgBouncer, TcpProxy):
+        assert issubclass(managed, Managed)
+        assert managed.cleanup is Managed.cleanup
+        assert managed.__exit__ is Managed.__exit__
+
+
+@pytest.mark.fault
+def test_standby_streams_and_takes_over_when_promoted(private_server: PgServer) -> None:
+    with PgServer.start_standby(private_server) as standby:
+        assert standby.in_recovery()
+        with psycopg.connect(private_server.dsn(), autocommit=True) as conn:
+            conn.execute("CREATE TABLE streamed AS SELECT 42 AS answer")
+        standby.wait_replayed(private_server)
+        with psycopg.connect(standby.dsn()) as conn:
+            assert one(conn, "SELECT answer FROM streamed") == 42
+            with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+                conn.execute("INSERT INTO streamed VALUES (1)")
+        private_server.kill()
+        standby.promote()
+        assert not standby.in_recovery()
+        with psycopg.connect(standby.dsn(), autocommit=True) as conn:
+            conn.execute("INSERT INTO streamed VALUES (1)")
+
+
+@pytest.mark.fault
+def test_failover_loses_what_replication_held_back() -> None:
+    with FailoverPair() as pair:
+        with psycopg.connect(pair.dsn(), autocommit=True) as conn:
+            conn.execute("CREATE TABLE facts (fact text)")
+            conn.execute("INSERT INTO facts VALUES ('replicated')")
+        pair.wait_replayed()
+        pair.hold_back_replication()
+        with psycopg.connect(pair.dsn(), autocommit=True) as conn:
+            conn.execute("INSERT INTO facts VALUES ('held back')")
+        pair.fail_over()
+        # The two-host DSN finds the promoted standby, which never saw the second commit.
+        with psycopg.connect(pair.dsn(), autocommit=True) as conn:
+            assert one(conn, "SELECT pg_is_in_recovery()") is False
+            facts = conn.execute("SELECT fact FROM facts").fetchall()
+        assert facts == [("replicated",)]
 
 
 # --- proxy -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``status``, ``history``, ``doctor``, ``deadlocks``: what is held, what ran, what broke."""
+"""``status``, ``history``, ``show``, ``doctor``, ``deadlocks``: what is held, ran, broke."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def register(group: click.Group) -> None:
     group.add_command(history_command)
     group.add_command(doctor_command)
     group.add_command(deadlocks_command)
+    group.add_command(show_command)
 
 
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
@@ -203,3 +204,33 @@ def deadlocks_command(
     from jobrun import deadlocks
 
     return deadlocks.run(logfiles, prefix=prefix, as_json=as_json, check=check, echo=click.echo)
+
+
+@click.command("show", cls=Subcommand, takes=("dsn", "connect_timeout"))
+@click.argument("run_id")
+@options.database
+def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
+    """Print the output tails a failed run kept (--keep-output), by its run id.
+
+    The run id is in every event line of the run (run_id) and in `jobrun history`.
+    Bytes that are not UTF-8 are shown as U+FFFD. Exit 1 if the run kept no output.
+    """
+    import uuid
+
+    from jobrun import db, tail
+
+    try:
+        run_id = str(uuid.UUID(run_id))
+    except ValueError:
+        raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-show") as conn,
+        db.translate_errors(where, "reading the run"),
+    ):
+        run = tail.read(conn, run_id)
+    if run is None:
+        click.echo(f"jobrun: no run {run_id} in the history", err=True)
+        return 1
+    click.echo(tail.render(run), nl=False)
+    return 0 if run["stdout"] is not None or run["stderr"] is not None else 1

@@ -58,6 +58,10 @@ class Settings(NamedTuple):
     expect_every: float | None
     expect_grace: float | None
     slots: int
+    ping: str | None
+    ping_timeout: float
+    keep_output: str | None
+    fence: bool
     log_format: str
     log_file: str | None
     log_level: str
@@ -214,6 +218,35 @@ class Settings(NamedTuple):
     metavar="N",
     help="At most N runs of the key at once (the child gets JOBRUN_SLOT, 0-based).",
 )
+@options.option(
+    "--ping",
+    envvar="JOBRUN_PING",
+    metavar="URL",
+    help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip.",
+)
+@options.option(
+    "--ping-timeout",
+    envvar="JOBRUN_PING_TIMEOUT",
+    type=options.Duration(minimum="100ms", why="a ping needs time to reach the monitor"),
+    default="5s",
+    show_default=True,
+    metavar="DURATION",
+    help="Longest one ping may take, retries included (never changes the exit status).",
+)
+@options.option(
+    "--keep-output",
+    envvar="JOBRUN_KEEP_OUTPUT",
+    metavar="SIZE",
+    help="Keep the last SIZE bytes (e.g. 16KiB) of stdout and stderr of failed runs.",
+)
+@options.option(
+    "--fence",
+    # Not JOBRUN_FENCE: that is the token a guarded child receives (a nested jobrun would
+    # read its own parent's token as this flag).
+    envvar="JOBRUN_FENCING",
+    is_flag=True,
+    help="Give the child a fencing token in JOBRUN_FENCE (greater than any earlier one).",
+)
 @options.log
 @click.pass_context
 def cli(
@@ -244,6 +277,10 @@ def cli(
     expect_every: float | None,
     expect_grace: float | None,
     slots: int,
+    ping: str | None,
+    ping_timeout: float,
+    keep_output: str | None,
+    fence: bool,
     log_format: str,
     log_file: str | None,
     log_level: str,
@@ -314,6 +351,10 @@ def cli(
             else expect_every / 10
         ),
         slots=slots,
+        ping=ping,
+        ping_timeout=ping_timeout,
+        keep_output=keep_output,
+        fence=fence,
         log_format=log_format,
         log_file=log_file,
         log_level=log_level,
@@ -347,8 +388,17 @@ def _keys(
 
 def _run(argv: tuple[str, ...], settings: Settings) -> int:
     """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import log, runner
+    from jobrun import log, operators, runner
     from jobrun.locks import Identity, new_run_id
+
+    extras = operators.validate(
+        ping=settings.ping,
+        ping_timeout=settings.ping_timeout,
+        keep_output=settings.keep_output,
+        fence=settings.fence,
+        on_db_error=settings.on_db_error,
+        no_history=settings.no_history,
+    )
 
     run_keys = settings.run_keys
     target = options.target(settings.dsn, settings.connect_timeout, warn=False)
@@ -411,9 +461,22 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
             hint="a password in --dsn is visible to every user in ps; "
             "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
         )
-    return runner.run(
-        job, lock=lock, identity=identity, environ=os.environ, log=bound, recorder=recorder
+    wired = operators.Extras(
+        extras, target=target, lock=lock, identity=identity, recorder=recorder, log=bound
     )
+    status = runner.run(
+        job,
+        lock=lock,
+        identity=identity,
+        environ=os.environ,
+        log=bound,
+        recorder=recorder,
+        pinger=wired.pinger,
+        capture=wired.capture,
+        fencer=wired.fencer,
+    )
+    wired.after(status)  # the output tail and the end ping, after the release
+    return status
 
 
 def _lock(

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from jobrun.history.config import HistoryConfig
     from jobrun.locks import Identity
+    from jobrun.tail import Capture
 
 
 class Notifier:
@@ -41,6 +42,8 @@ class Notifier:
         self._secrets = secrets
         self._started = time.time()
         self._pending: list[dict[str, object]] = []
+        #: --keep-output: the alert hook's event carries the output tails.
+        self.output: Capture | None = None
 
     def metrics(
         self,
@@ -85,6 +88,10 @@ class Notifier:
             "mode": self._mode,
             **fields,
         }
+        if self.output is not None and self.output.used:
+            from jobrun import tail  # noqa: PLC0415 - only runs that keep output
+
+            event.update(tail.fields(self.output, limit=tail.ALERT_LIMIT))
         if defer:
             self._pending.append(event)
         else:
@@ -119,7 +126,7 @@ class NoHistory:
         notifier: Notifier | None = None,
         pauses: Callable[[], dict[str, object] | None] | None = None,
     ) -> None:
-        self._notifier = notifier
+        self.notifier = notifier
         self._pauses = pauses
 
     def use_lock_ids(self, lock_ids: list[int]) -> None:
@@ -146,18 +153,18 @@ class NoHistory:
         defer_alerts: bool = False,  # noqa: ARG002 - the Recorder's interface
     ) -> None:
         """Write the metrics (streaks counted on from the file's previous values)."""
-        if self._notifier is not None:
-            self._notifier.metrics(outcome, exit_code, duration)
+        if self.notifier is not None:
+            self.notifier.metrics(outcome, exit_code, duration)
 
     def skipped(self, reason: str, holder_fields: Mapping[str, object], exit_code: int) -> None:  # noqa: ARG002 - the Recorder's interface
         """Write the metrics (streaks counted on from the file's previous values)."""
-        if self._notifier is not None:
-            self._notifier.metrics("skipped", exit_code, None)
+        if self.notifier is not None:
+            self.notifier.metrics("skipped", exit_code, None)
 
     def exec_failed(self, exit_code: int) -> None:
         """Write the metrics."""
-        if self._notifier is not None:
-            self._notifier.metrics("exec_failed", exit_code, 0.0)
+        if self.notifier is not None:
+            self.notifier.metrics("exec_failed", exit_code, 0.0)
 
     def flush(self) -> None:
         """Nothing is ever deferred."""

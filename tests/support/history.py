@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
-from psycopg import sql as pgsql
-from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from jobrun import db, keys, log
@@ -21,7 +19,6 @@ from jobrun.history.calls import ensure_schema
 from jobrun.history.config import HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
-from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -54,17 +51,6 @@ def captured(tmp_path) -> Iterator[Captured]:
     capture = Captured(tmp_path / "events.jsonl")
     yield capture
     capture.close()
-
-
-@pytest.fixture
-def fresh_dsn(pg_admin_dsn) -> Iterator[str]:
-    """A database of this test's own, without the jobrun schema."""
-    name = f"jobrun_fresh_{uuid.uuid4().hex[:12]}"
-    create_database(pg_admin_dsn, name)
-    try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
-    finally:
-        drop_database(pg_admin_dsn, name)
 
 
 @dataclass
@@ -186,30 +172,6 @@ def hook_calls(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture
-def role(dsn, pg_admin_dsn) -> Iterator[Callable[..., str]]:
-    """``make(*grants) -> dsn``: a login role of this test's own with only the given grants."""
-    made: list[tuple[str, str]] = []
-
-    def make(*grants: str, database_dsn: str | None = None) -> str:
-        name = f"jobrun_role_{uuid.uuid4().hex[:10]}"
-        target = database_dsn or dsn
-        made.append((name, target))
-        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(pgsql.Identifier(name)))
-        with psycopg.connect(target, autocommit=True) as conn:
-            for grant in grants:
-                conn.execute(pgsql.SQL(grant).format(role=pgsql.Identifier(name)))
-        return make_conninfo(target, user=name)
-
-    yield make
-    for name, target in made:
-        with psycopg.connect(target, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(name)))
-        with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("DROP ROLE IF EXISTS {}").format(pgsql.Identifier(name)))
 
 
 def ensure_runs_table(dsn: str) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -17,13 +16,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from .managed import Managed
 from .pgserver import RunAs, free_port, log_tail, make_private_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-    from types import TracebackType
-
-    from typing_extensions import Self
 
 _READY_TIMEOUT = 30.0
 _STOP_TIMEOUT = 30.0
@@ -57,7 +54,7 @@ def _ini_value(value: str) -> str:
     return value
 
 
-class PgBouncer:
+class PgBouncer(Managed):
     """PgBouncer on 127.0.0.1:<port>, forwarding every database name to one server.
 
     Clients authenticate with ``auth_type = trust`` (PgBouncer still wants the user names in
@@ -94,7 +91,6 @@ class PgBouncer:
         self.base_dir: Path | None = None
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._cleaned = False
 
     @property
     def log_path(self) -> Path:
@@ -130,17 +126,15 @@ class PgBouncer:
         """Write the config, start pgbouncer on a free port and wait until it answers."""
         if self.binary is None:
             raise RuntimeError(INSTALL_HINT)
-        try:
+
+        def setup() -> None:
             self.base_dir = make_private_dir("jobrun-pgbouncer-")
             (self.base_dir / "userlist.txt").write_text(
                 "".join(f'"{_ini_value(user)}" ""\n' for user in self.users)
             )
             self._start_on_free_port()
-        except BaseException:
-            self.cleanup()
-            raise
-        atexit.register(self.cleanup)
-        return self
+
+        return self._started(setup)
 
     def _start_on_free_port(self) -> None:
         for _ in range(_PORT_ATTEMPTS):
@@ -244,28 +238,13 @@ class PgBouncer:
             self._proc.kill()
             self._proc.wait()
 
-    def cleanup(self) -> None:
-        """stop() and remove the directory. Safe to call twice."""
-        if self._cleaned:
-            return
-        self._cleaned = True
+    def _release(self) -> None:
+        """stop() and remove the directory."""
         try:
             self.stop()
         finally:
             if self.base_dir is not None:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
-            atexit.unregister(self.cleanup)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         target = f"{self.server_host}:{self.server_port}"

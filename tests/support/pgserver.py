@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
 import os
@@ -18,16 +17,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-if TYPE_CHECKING:
-    from types import TracebackType
-
-    from typing_extensions import Self
+from .managed import Managed
 
 #: PostgreSQL refuses to run as root, so as root we hand the data directory to this user.
 RUN_AS_WHEN_ROOT = "nobody"
@@ -239,7 +234,7 @@ def _gone(pid: int) -> bool:
     return info is None or info[0] in {"Z", "X"}
 
 
-class PgServer:
+class PgServer(Managed):
     """A private PostgreSQL server in a temp dir, for tests that restart, crash or cut it.
 
     Use PgServer.start(); the server listens on 127.0.0.1:<port> with trust auth for
@@ -255,7 +250,6 @@ class PgServer:
         self.base_dir: Path | None = None
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._cleaned = False
 
     @classmethod
     def start(cls, settings: dict[str, str] | None = None) -> PgServer:
@@ -264,14 +258,42 @@ class PgServer:
         ``settings`` go into postgresql.conf, e.g. ``{"idle_session_timeout": "1s"}``.
         """
         server = cls(settings)
-        try:
+
+        def setup() -> None:
             server._init()
             server._start_on_free_port()
-        except BaseException:
-            server.cleanup()
-            raise
-        atexit.register(server.cleanup)
-        return server
+
+        return server._started(setup)
+
+    @classmethod
+    def start_standby(
+        cls,
+        primary: PgServer,
+        settings: dict[str, str] | None = None,
+        *,
+        port: int | None = None,
+        upstream: str | None = None,
+    ) -> PgServer:
+        """A streaming standby of ``primary``: pg_basebackup -R, then start it and wait.
+
+        Replication is asynchronous (the primary does not wait for the standby), as in most
+        deployments: a commit acknowledged by the primary may not have reached the standby
+        when it is promoted. ``port`` reuses a port (say, a stopped old primary's), so that a
+        multi-host DSN naming both ports stays valid; default: a free one. ``upstream`` is
+        the conninfo the standby streams from (default: the primary's own), e.g. a TcpProxy
+        in front of the primary, so that a test can hold replication back.
+        """
+        server = cls(settings)
+
+        def setup() -> None:
+            server._clone(primary, upstream)
+            if port is None:
+                server._start_on_free_port()
+            else:
+                server.port = port
+                server._launch()
+
+        return server._started(setup)
 
     # --- paths and connection strings -------------------------------------------------------
 
@@ -349,6 +371,48 @@ class PgServer:
         lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
         with (self.data_dir / "postgresql.conf").open("a") as conf:
             conf.write("\n".join(lines) + "\n")
+
+    def _clone(self, primary: PgServer, upstream: str | None) -> None:
+        """Copy ``primary`` with pg_basebackup -R (standby.signal and primary_conninfo)."""
+        check_reachable(self.bin_dir)
+        self.base_dir = make_private_dir("jobrun-pg-standby-")
+        run_as = RunAs.for_servers()
+        with self.log_path.open("ab") as log:
+            result = subprocess.run(
+                [
+                    str(self.bin_dir / "pg_basebackup"),
+                    "-D",
+                    str(self.data_dir),
+                    "-R",
+                    "--wal-method=stream",
+                    "--checkpoint=fast",
+                    "--no-sync",
+                    "-d",
+                    primary.dsn(),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._base,
+                env=_pg_env(self.bin_dir),
+                timeout=120,
+                check=False,
+                user=run_as.user,
+                group=run_as.group,
+                extra_groups=run_as.extra_groups,
+            )
+        if result.returncode != 0:
+            raise PgServerError(f"pg_basebackup failed:\n{log_tail(self.log_path)}")
+        # The copy carries the primary's postgresql.conf: later lines win, so the socket
+        # directory (the primary's own) and this server's settings go at the end.
+        lines = ["", "# added by tests/support/pgserver.py for the standby"]
+        settings = {"unix_socket_directories": str(self.socket_dir), **self.settings}
+        lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
+        with (self.data_dir / "postgresql.conf").open("a") as conf:
+            conf.write("\n".join(lines) + "\n")
+        if upstream is not None:
+            # -R wrote primary_conninfo into postgresql.auto.conf; a later line there wins.
+            with (self.data_dir / "postgresql.auto.conf").open("a") as auto:
+                auto.write(f"primary_conninfo = {_quote(upstream)}\n")
 
     def _start_on_free_port(self) -> None:
         for _ in range(_PORT_ATTEMPTS):
@@ -440,6 +504,37 @@ class PgServer:
             os.chown(signal_file, run_as.user, run_as.group)
         self.start_again()
 
+    def promote(self) -> None:
+        """Promote this standby to a primary (``pg_promote()``) and wait until it writes."""
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_promote(true, %s)", (int(_READY_TIMEOUT),)).fetchone()
+        if not (row and row[0]):
+            raise PgServerError(f"promotion did not finish:\n{log_tail(self.log_path)}")
+
+    def in_recovery(self) -> bool:
+        """Whether the server is a standby (``pg_is_in_recovery()``)."""
+        with psycopg.connect(self.dsn(), connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+        return bool(row and row[0])
+
+    def wait_replayed(self, primary: PgServer, timeout: float = _READY_TIMEOUT) -> None:
+        """Wait until this standby has replayed everything ``primary`` had written so far."""
+        with psycopg.connect(primary.dsn(), connect_timeout=5) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        assert row is not None
+        target = row[0]
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.dsn(), autocommit=True, connect_timeout=5) as conn:
+            while True:
+                done = conn.execute(
+                    "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
+                ).fetchone()
+                if done and done[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise PgServerError(f"standby did not replay up to {target} in {timeout}s")
+                time.sleep(0.02)  # no server-side wait for replay exists before PostgreSQL 17
+
     def kill(self) -> None:
         """Crash: SIGKILL the postmaster and its children, as an OOM kill or power cut would.
 
@@ -474,11 +569,8 @@ class PgServer:
         ):
             stale.unlink(missing_ok=True)
 
-    def cleanup(self) -> None:
-        """Stop the server (or kill it) and remove its directory. Safe to call twice."""
-        if self._cleaned:
-            return
-        self._cleaned = True
+    def _release(self) -> None:
+        """Stop the server (or kill it) and remove its directory."""
         try:
             self.stop("immediate")
         except PgServerError:
@@ -486,18 +578,6 @@ class PgServer:
         finally:
             if self.base_dir is not None:
                 shutil.rmtree(self.base_dir, ignore_errors=True)
-            atexit.unregister(self.cleanup)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

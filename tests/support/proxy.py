@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from .managed import Managed
+
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from types import TracebackType
-
-    from typing_extensions import Self
 
 _CHUNK = 65536
 #: Backpressure: stop reading from one side while this much waits for the other side.
@@ -69,7 +68,7 @@ class _Link:
         return self.down if sock is self.client else self.up
 
 
-class TcpProxy:
+class TcpProxy(Managed):
     """Forward 127.0.0.1:<port> to a target and break the path on demand.
 
     - drop_all(): reset every current connection (both sides); new ones are still accepted.
@@ -104,21 +103,17 @@ class TcpProxy:
 
     def start(self) -> TcpProxy:
         """Listen and start forwarding in a background thread."""
-        if self._thread is not None:
+        if self._thread is not None or self._cleaned:
             raise RuntimeError("the proxy was started already")
+        return self._started(self._start)
+
+    def _start(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._wake_r.settimeout(0)  # non-blocking
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
-        try:
-            self._listen()
-        except OSError:
-            self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
-            raise
+        self._listen()
         self._thread = threading.Thread(target=self._run, name=f"TcpProxy-{self.port}", daemon=True)
         self._thread.start()
-        return self
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` with host and port pointing at this proxy."""
@@ -151,7 +146,13 @@ class TcpProxy:
 
     def stop(self) -> None:
         """Reset all connections, stop listening and end the thread. Safe to call twice."""
+        self.cleanup()
+
+    def _release(self) -> None:
         if self._thread is None:
+            # Never ran (or failed to start): the thread's own shutdown did not happen.
+            if self._selector is not None:
+                self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
             return
@@ -160,17 +161,6 @@ class TcpProxy:
                 self._call(self._request_stop)
             self._thread.join(_CALL_TIMEOUT)
         self._thread = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         target = f"{self.target_host}:{self.target_port}"

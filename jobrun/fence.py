@@ -1,0 +1,66 @@
+"""Fencing tokens (``--fence``): a number per acquisition, greater than every earlier one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psycopg import errors
+
+from jobrun import db, sql
+from jobrun.locks.lease import SCHEMA_LOCK_ID
+
+if TYPE_CHECKING:
+    import psycopg
+    from structlog.typing import FilteringBoundLogger
+
+    from jobrun.locks import Lock
+
+#: The variable the child reads its token from.
+ENV = "JOBRUN_FENCE"
+
+
+def take(target: db.Target, *, app_name: str) -> int:
+    """The next value of ``jobrun.fence`` (created on first use); LockStoreUnavailable if not.
+
+    One sequence serves every key: tokens of one key are then increasing too, and a token
+    means the same thing whichever lock mode or host took it.
+    """
+    with (
+        db.connect(target, app_name=app_name) as conn,
+        db.translate_errors(target, "taking a fencing token"),
+    ):
+        try:
+            return _next(conn)
+        except (errors.UndefinedTable, errors.InvalidSchemaName):
+            ensure_sequence(conn)
+            return _next(conn)
+
+
+def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLogger) -> int:
+    """A token taken while ``lock`` is provably held: take it, then confirm the lock.
+
+    WARNING: the order matters. A token taken after the lock was lost (a lease that expired
+    while we were paused, a lock session that dropped) is greater than the new holder's and
+    would let our stale writes win. Confirming the lock *after* the token proves the lock
+    was held the whole time since the acquisition, the token's moment included: a session
+    lock cannot be lost and come back, and an expired lease is never renewed. Raises
+    LockLost or LockStoreUnavailable when that proof cannot be had (the child must then
+    not start).
+    """
+    token = take(target, app_name=app_name)
+    lock.check()
+    log.info("fence_taken", fence=token)
+    return token
+
+
+def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+    """Create ``jobrun.fence`` once, even when many first runs race for it."""
+    with conn.transaction():
+        conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+        conn.execute(sql.FENCE_SCHEMA)
+
+
+def _next(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    row = conn.execute(sql.FENCE_NEXT).fetchone()
+    assert row is not None  # noqa: S101 - nextval always returns a row
+    return int(str(row[0]))

@@ -1,0 +1,252 @@
+"""``--ping URL``: Healthchecks-style start, exit-status and log pings that never hold a job up."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from jobrun import __version__
+from jobrun.exitcodes import UsageError
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
+
+#: Default of ``--ping-timeout``: the longest one ping (all its attempts) may take.
+TIMEOUT = 5.0
+#: Attempts per ping within its timeout (a monitor that answers 500 once gets another go).
+ATTEMPTS = 3
+#: Pause before the second attempt (doubled before the third), within the timeout.
+BACKOFF = 0.2
+#: Most bytes of each stream's tail in a ping body (Healthchecks keeps about 100 kB).
+BODY_STREAM_LIMIT = 40_000
+#: HTTP statuses worth another attempt: the monitor's own trouble, not our request's.
+_RETRIED = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def parse_url(text: str) -> str:
+    """The ping URL, checked (http or https, a host, no spaces); UsageError otherwise."""
+    url = text.strip()
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(
+            f"--ping {mask(url)!r}: not an http(s) URL with a host "
+            "(example: https://hc-ping.com/<uuid>)"
+        )
+    if any(char.isspace() or ord(char) < 0x20 or ord(char) == 0x7F for char in url):  # noqa: PLR2004 - control characters
+        raise UsageError(f"--ping {mask(url)!r}: the URL contains spaces or control characters")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise UsageError(f"--ping {mask(url)!r}: the port is not a number") from None
+    return url
+
+
+def mask(url: str) -> str:
+    """``scheme://host[:port]/***``: the URL without what is secret in it.
+
+    WARNING: a ping URL is a credential: Healthchecks puts the check's key in the path
+    (anyone who has it can ping the check), and some monitors put a user and password
+    before the host. Only the scheme, host and port are ever shown.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return "***"
+    if not host:
+        return "***"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port else host
+    return f"{parts.scheme}://{netloc}/***"
+
+
+def with_path(url: str, suffix: str, run_id: str) -> str:
+    """``url`` + ``/suffix``, with ``rid=run_id`` added to its query (kept as it was)."""
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path.rstrip("/") + "/" + suffix
+    query = urllib.parse.urlencode({"rid": run_id})
+    query = f"{parts.query}&{query}" if parts.query else query
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+
+def _split_userinfo(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without ``user:password@`` (which urllib cannot send), and its Basic auth header."""
+    import base64  # noqa: PLC0415 - only with --ping
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, {}
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    netloc = parts.netloc.rpartition("@")[2]
+    token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc)), {
+        "Authorization": f"Basic {token}"
+    }
+
+
+def body(stdout: bytes, stderr: bytes) -> bytes:
+    """The end ping's body: the tail of each stream, under a header line each."""
+    out, err = stdout[-BODY_STREAM_LIMIT:], stderr[-BODY_STREAM_LIMIT:]
+    return (
+        f"--- stdout (last {len(out)} bytes)\n".encode()
+        + out
+        + (b"" if not out or out.endswith(b"\n") else b"\n")
+        + f"--- stderr (last {len(err)} bytes)\n".encode()
+        + err
+    )
+
+
+@dataclass
+class _Ping:
+    kind: str  # "start", "log" or an exit status
+    body: bytes
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    #: Set by whoever reports the ping's failure first (the sender, or finish() giving up).
+    reported: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Pinger:
+    """Sends the pings of one run, in order, on a thread of its own.
+
+    ``start()`` returns at once (the child must not wait for a monitor); ``finish()`` waits
+    for the last ping ``timeout`` seconds at most and is called after the lock is released,
+    so a slow monitor delays jobrun's exit, never the next run. A ping that fails is one
+    ``ping_failed`` warning; it never changes jobrun's exit status.
+    """
+
+    def __init__(
+        self, url: str, run_id: str, *, timeout: float = TIMEOUT, log: FilteringBoundLogger
+    ) -> None:
+        import urllib.request  # noqa: PLC0415 - only runs with --ping load the HTTP client
+
+        self._request = urllib.request
+        self.url, self._auth = _split_userinfo(url)
+        self.run_id = run_id
+        self.timeout = timeout
+        self._log = log
+        self._pending: list[_Ping] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._skip_body: bytes | None = None
+        self._started = False
+
+    def start(self) -> None:
+        """The child started: ``URL/start`` (in the background)."""
+        self._started = True
+        self._enqueue("start", b"")
+
+    def skipped(self, reason: str, details: dict[str, object]) -> None:
+        """The run skipped: its end ping will be ``URL/log`` (neither success nor failure)."""
+        described = " ".join(f"{name}={value}" for name, value in details.items())
+        self._skip_body = f"skipped ({reason}) {described}".strip().encode()
+
+    def finish(self, status: int, stdout: bytes = b"", stderr: bytes = b"") -> None:
+        """The run is over: ``URL/<status>`` (or ``URL/log`` after a skip); wait for it."""
+        if self._skip_body is not None:
+            ping = self._enqueue("log", self._skip_body)
+        else:
+            content = body(stdout, stderr) if (stdout or stderr) else b""
+            ping = self._enqueue(str(status), content)
+        if not ping.done.wait(max(0.0, ping.deadline - time.monotonic())):
+            # Still queued behind a hung start ping, or in flight: we go, it is abandoned.
+            self._failed(ping, f"no answer within {self.timeout:g}s", attempts=None)
+
+    def _enqueue(self, kind: str, content: bytes) -> _Ping:
+        ping = _Ping(kind, content, time.monotonic() + self.timeout)
+        with self._cond:
+            self._pending.append(ping)
+            self._cond.notify()
+        if self._thread is None:
+            # WARNING: started from the supervisor (signals blocked) the thread inherits the
+            # mask, as it must: every signal is left for the main thread.
+            self._thread = threading.Thread(target=self._loop, name="jobrun-ping", daemon=True)
+            self._thread.start()
+        return ping
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                ping = self._pending.pop(0)
+            try:
+                self._send(ping)
+            finally:
+                ping.done.set()
+
+    def _send(self, ping: _Ping) -> None:
+        """Up to ATTEMPTS tries, each with its share of what is left of the ping's timeout."""
+        url = with_path(self.url, ping.kind, self.run_id)
+        error: str | None = "no time left (an earlier ping took it)"
+        attempt = 0
+        while attempt < ATTEMPTS:
+            remaining = ping.deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempt += 1
+            retry, error = self._attempt(url, ping, remaining / (ATTEMPTS - attempt + 1))
+            if error is None:
+                self._log.debug("ping_sent", ping=ping.kind, attempts=attempt)
+                return
+            if not retry:
+                break
+            pause = min(BACKOFF * 2 ** (attempt - 1), ping.deadline - time.monotonic())
+            if pause > 0 and attempt < ATTEMPTS:
+                time.sleep(pause)
+        self._failed(ping, error, attempts=attempt)
+
+    def _failed(self, ping: _Ping, error: str | None, *, attempts: int | None) -> None:
+        """One ``ping_failed`` warning per ping, whoever notices first."""
+        if not ping.reported.acquire(blocking=False):
+            return
+        self._log.warning(
+            "ping_failed",
+            ping=ping.kind,
+            url=mask(self.url),
+            error=error,
+            attempts=attempts,
+            timeout=self.timeout,
+            note="the run's exit status is unchanged",
+        )
+
+    def _attempt(self, url: str, ping: _Ping, timeout: float) -> tuple[bool, str | None]:
+        """One request: (worth retrying, error or None). Errors never quote the URL."""
+        request = self._request.Request(
+            url,
+            data=ping.body,
+            method="POST",
+            headers={
+                "User-Agent": f"jobrun/{__version__}",
+                "Content-Type": "text/plain; charset=utf-8",
+                **self._auth,
+            },
+        )
+        try:
+            with self._request.urlopen(request, timeout=timeout) as response:
+                response.read()
+        except Exception as exc:  # noqa: BLE001 - whatever goes wrong, it is never the job's problem
+            return _describe(exc, timeout)
+        return False, None
+
+
+def _describe(exc: Exception, timeout: float) -> tuple[bool, str]:
+    """(worth retrying, a one-line reason) for a failed request; never quotes the URL."""
+    import urllib.error  # noqa: PLC0415 - loaded by urllib.request already
+
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code in _RETRIED, f"HTTP {exc.code}"
+    reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, TimeoutError):
+        return True, f"no answer within {timeout:.3g}s"
+    if isinstance(reason, OSError):  # refused, reset, unreachable, TLS
+        return True, reason.strerror or type(reason).__name__
+    # http.client's protocol errors and the like: the class says enough (a message could
+    # quote the URL).
+    return True, type(reason).__name__
