@@ -244,6 +244,8 @@ class _GuardedRun:
                 # Not a streak: the operator asked for these skips.
                 log.info("skipped", reason="paused", exit_code=job.skip_exit_code, **pause)
                 self.recorder.skipped("paused", pause, job.skip_exit_code)
+                if self.pinger is not None:  # --- operators: --ping
+                    self.pinger.skipped("paused", pause)
                 return job.skip_exit_code
             if earlier is not None:
                 fields = {f"previous_{name}": value for name, value in earlier.items()}
