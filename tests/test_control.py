@@ -8,6 +8,7 @@ import psycopg
 import pytest
 
 from jobrun.keys import lock_id_for
+from jobrun.locks.session import STOP_TABLE_PROBE
 from jobrun.slots import slot_lock_id
 from support import jobrun_cli
 from support.history import rows_of
@@ -30,6 +31,15 @@ def _holder(key: str, mode: str, marker, *args: str, dsn: str):
         *jobrun_cli.holder_marker(marker),
         dsn=dsn,
     )
+
+
+def _plain_check_sent(dsn: str, key: str) -> bool:
+    """The lock session of ``key`` last sent the heartbeat check without the stop lookup."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT query FROM pg_stat_activity WHERE application_name = %s", (f"jobrun:{key}",)
+        ).fetchall()
+    return any("*/ \nSELECT count(*) FROM pg_locks" in str(row[0]) for row in rows)
 
 
 class TestStop:
@@ -83,6 +93,25 @@ class TestStop:
         assert event(stderr, "child_killed")["signal"] == "SIGKILL"
         finished = event(stderr, "finished")
         assert (finished["outcome"], finished["signal"]) == ("stopped", "SIGKILL")
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_stop_reaches_a_run_started_before_the_table_existed(
+        self, fresh_dsn, key, tmp_path, mode
+    ):
+        """A fresh database, --no-history: the run finds the table stop creates, and stops."""
+        marker = tmp_path / "child"
+        proc = _holder(key, mode, marker, "--no-history", "--heartbeat", "200ms", dsn=fresh_dsn)
+        wait_for_file(marker)
+        if mode == "session":
+            # The heartbeat has found no table and fallen back to its plain check.
+            wait_until(lambda: _plain_check_sent(fresh_dsn, key), what="the plain check")
+        # Session mode looks for the table again every STOP_TABLE_PROBE seconds; lease mode
+        # at every renewal (its interval is below --ttl, 30 s by default).
+        wait = STOP_TABLE_PROBE + 30
+        result = jobrun_cli.run("stop", key, "--wait", f"{wait}s", dsn=fresh_dsn, timeout=wait + 30)
+        _, stderr = proc.communicate(timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert proc.returncode == 77, stderr
 
     def test_stop_of_a_free_key_exits_1(self, dsn, key):
         """Nothing holds the key: stop says so and exits 1."""
@@ -365,3 +394,37 @@ class TestSlots:
         assert slot_lock_id("nightly-export", 0) == lock_id_for("nightly-export\nslot 0")
         assert slot_lock_id("nightly-export", 2) != slot_lock_id("nightly-export", 0)
         assert slot_lock_id("nightly-export", 0) == SLOT_0_OF_NIGHTLY_EXPORT
+
+
+class TestBadInput:
+    """Bad input to the control commands: one line, exit 64, nothing changed."""
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ("pause", "k", "--until", "yesterday"),
+            ("pause", "k", "--until", "2001-01-01T00:00:00+00:00"),
+            ("pause", "k", "--for", "1h", "--until", "2999-01-01T00:00:00"),
+            ("pause", "k", "--for", "0s"),
+            ("stop", "bad\nkey"),
+            ("resume", ""),
+            ("--key", "a", "--key", "b", "--slots", "2", "--", "true"),
+            ("--lock-id", "5", "--slots", "2", "--", "true"),
+            ("--key", "a", "--slots", "0", "--", "true"),
+            ("--key", "a", "--expect-grace", "1m", "--", "true"),
+            ("--key", "a", "--expect-every", "1h", "--no-history", "--", "true"),
+        ],
+    )
+    def test_usage_error(self, dsn, args):
+        """Exit 64 with one line on stderr, never a traceback."""
+        result = jobrun_cli.run(*args, dsn=dsn)
+        assert result.returncode == 64, result.stderr
+        assert "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    def test_until_in_the_future_is_shown(self, dsn, key):
+        """--until TIME: the pause ends then (as the database stores it)."""
+        result = jobrun_cli.run("pause", key, "--until", "2999-01-01T00:00:00+00:00", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        assert "until 2999-01-01T00:00:00+00:00" in result.stdout
+        assert jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 75

@@ -576,6 +576,8 @@ def _pause_check(
         timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
         log=log,
         shared=_shared(settings, lock),
+        # --no-history: no pause table, no pause; never create the schema for it.
+        create_schema=False,
     )
 
     def check() -> dict[str, object] | None:
