@@ -228,12 +228,23 @@ class TestHeld:
         assert event(result.stderr, "skipped")["holder_pid"] == holder.pid
 
 
-def advisory_waiters(dsn: str) -> list[int]:
-    """Backends waiting for any advisory lock."""
+def advisory_waiters(dsn: str, name: str | None = None) -> list[int]:
+    """Backends waiting for the advisory lock of key ``name`` (None: for any advisory lock).
+
+    Naming the key matters where a run may wait a moment for another advisory lock first
+    (the schema's, while another run creates the history table).
+    """
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        ).fetchall()
+        if name is None:
+            rows = conn.execute(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchall()
+        else:
+            rows = conn.execute(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
+                keys.from_name(name).pg_locks_pair,
+            ).fetchall()
     return [row[0] for row in rows]
 
 
@@ -387,7 +398,7 @@ class TestSeveralKeys:
             "--key", high, "--key", low, "--wait", "60s", "--", "true", dsn=dsn
         )
         try:
-            wait_until(lambda: len(advisory_waiters(dsn)) > 0, what="the waiter to wait")
+            wait_until(lambda: len(advisory_waiters(dsn, high)) > 0, what="the waiter to wait")
             assert len(advisory_holders(dsn, low)) == 1
             lower_only = jobrun_cli.run("--key", low, "--", "true", dsn=dsn)
             assert lower_only.returncode == 75

@@ -1,0 +1,7 @@
+"""``jobrun deadlocks``: find every deadlock in PostgreSQL server logs and name both sides."""
+
+from jobrun.deadlocks.model import Deadlock
+from jobrun.deadlocks.render import describe, report, run
+from jobrun.deadlocks.scan import NotALogError, find
+
+__all__ = ["Deadlock", "NotALogError", "describe", "find", "report", "run"]

@@ -1,0 +1,118 @@
+"""What a deadlock is made of: its sides, and the sides read from its DETAIL."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+#: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
+JOB_PREFIX = "jobrun:"
+_WAITS = re.compile(
+    r"Process (?P<pid>\d+) waits for (?P<lock>.+?); blocked by process (?P<blocker>\d+)\.\Z"
+)
+_RUNS = re.compile(r"Process (?P<pid>\d+): (?P<statement>.*)\Z", re.DOTALL)
+
+
+@dataclass
+class Side:
+    """One process in a deadlock's wait-for cycle."""
+
+    pid: int
+    waits_for: str | None = None
+    blocked_by: int | None = None
+    statement: str | None = None
+    application: str | None = None
+    #: Where the application name came from: "this line", "line N" (another line of that
+    #: pid), or None when the log never names it.
+    named_by: str | None = None
+
+    @property
+    def job(self) -> str | None:
+        """The jobrun key when the application name is ``jobrun:<key>``."""
+        if self.application and self.application.startswith(JOB_PREFIX):
+            return self.application[len(JOB_PREFIX) :]
+        return None
+
+    def as_json(self) -> dict[str, Any]:
+        """The side for ``--json``."""
+        return {
+            "pid": self.pid,
+            "application": self.application,
+            "job": self.job,
+            "named_by": self.named_by,
+            "waits_for": self.waits_for,
+            "blocked_by": self.blocked_by,
+            "statement": self.statement,
+        }
+
+
+@dataclass
+class Deadlock:
+    """A ``deadlock detected`` error and the processes whose cycle PostgreSQL broke."""
+
+    source: str
+    line: int
+    time: str | None
+    user: str | None
+    db: str | None
+    victim: int | None
+    sides: list[Side]
+    context: str | None = None
+    statement: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The deadlock for ``--json``."""
+        return {
+            "source": self.source,
+            "line": self.line,
+            "time": self.time,
+            "user": self.user,
+            "database": self.db,
+            "victim_pid": self.victim,
+            "sides": [side.as_json() for side in self.sides],
+            "context": self.context,
+            "statement": self.statement,
+        }
+
+
+@dataclass
+class Found:
+    """What the logs held: the deadlocks, and per file its format and lines read."""
+
+    deadlocks: list[Deadlock] = field(default_factory=list)
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        """The whole result for ``--json``."""
+        return {
+            "deadlocks": [deadlock.as_json() for deadlock in self.deadlocks],
+            "files": self.files,
+        }
+
+
+def parse_detail(detail: str) -> list[Side]:
+    """The sides of a ``deadlock detected`` DETAIL: who waits for what, and what each ran.
+
+    The DETAIL reads ``Process A waits for L1; blocked by process B.`` per process of the
+    cycle, then ``Process A: <statement>`` per process, a statement going on over the
+    following lines until the next ``Process N:``.
+    """
+    sides: dict[int, Side] = {}
+    current: Side | None = None
+    for line in detail.split("\n"):
+        waits = _WAITS.match(line)
+        if waits:
+            pid = int(waits["pid"])
+            side = sides.setdefault(pid, Side(pid))
+            side.waits_for, side.blocked_by = waits["lock"], int(waits["blocker"])
+            current = None
+            continue
+        runs = _RUNS.match(line)
+        if runs and (int(runs["pid"]) in sides or not sides):
+            current = sides.setdefault(int(runs["pid"]), Side(int(runs["pid"])))
+            current.statement = runs["statement"]
+            continue
+        if current is not None and current.statement is not None:
+            current.statement += "\n" + line
+    return list(sides.values())

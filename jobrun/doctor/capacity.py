@@ -1,0 +1,129 @@
+"""Checks of what runs need room in: jobrun's schema and tables, connection slots, lock table."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jobrun import sql
+from jobrun.doctor import query
+from jobrun.doctor.finding import FAIL, OK, WARN, Finding
+
+if TYPE_CHECKING:
+    from jobrun.doctor.query import Connection
+
+#: Below this many free connection slots, a burst of jobs may be refused.
+MIN_FREE_CONNECTIONS = 5
+#: Advisory locks share the lock table with every other lock: one table for all of them.
+LOCK_TABLE_WARN = 0.5
+LOCK_TABLE_FAIL = 0.9
+_PERCENT = 100
+
+
+def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
+    """The jobrun schema and its tables: there, or creatable, and usable by this role."""
+    exists, create_in_db, usage, create_in_schema = query.one(conn, sql.DOCTOR_SCHEMA)
+    lease_needed = FAIL if mode == "lease" else WARN
+    if not exists:
+        if read_only:
+            return [
+                Finding(
+                    lease_needed,
+                    "schema",
+                    "jobrun schema missing, and this role's sessions are read-only "
+                    "(default_transaction_read_only = on): it cannot be created",
+                )
+            ]
+        if create_in_db:
+            return [Finding(OK, "schema", "jobrun schema not there yet; created on first use")]
+        return [
+            Finding(
+                lease_needed,
+                "schema",
+                "jobrun schema missing and this role may not create it (no CREATE on the "
+                "database): lease mode cannot work and run history is not kept; have an "
+                "owner run CREATE SCHEMA jobrun AUTHORIZATION <role>, or GRANT CREATE",
+            )
+        ]
+    if not usage:
+        return [
+            Finding(
+                lease_needed,
+                "schema",
+                "jobrun schema exists but this role lacks USAGE on it: GRANT USAGE ON SCHEMA "
+                "jobrun TO <role>",
+            )
+        ]
+    findings = [Finding(OK, "schema", "jobrun schema exists")]
+    for table, purpose, severity in (
+        ("leases", "lease mode", lease_needed if mode == "lease" else OK),
+        ("runs", "run history", WARN),
+    ):
+        present, *privileges = query.one(conn, sql.DOCTOR_TABLE, {"table": table})
+        name = f"jobrun.{table}"
+        if not present:
+            if create_in_schema:
+                findings.append(Finding(OK, name, "not there yet; created on first use"))
+            else:
+                findings.append(
+                    Finding(
+                        severity,
+                        name,
+                        f"missing, and this role may not create it: {purpose} will not work",
+                    )
+                )
+            continue
+        missing = [
+            verb
+            for verb, granted in zip(
+                ("SELECT", "INSERT", "UPDATE", "DELETE"), privileges, strict=True
+            )
+            if not granted
+        ]
+        if missing:
+            note = "" if severity != OK else " (not used in session mode)"
+            findings.append(
+                Finding(
+                    severity,
+                    name,
+                    f"exists; this role lacks {', '.join(missing)}: {purpose} will fail{note}",
+                )
+            )
+        else:
+            findings.append(Finding(OK, name, "exists; SELECT, INSERT, UPDATE, DELETE granted"))
+    return findings
+
+
+def connections(conn: Connection) -> Finding:
+    """Connection slots in use, reserved and free: a session-mode run holds one throughout."""
+    max_connections, superuser_reserved, reserved, in_use = query.one(conn, sql.DOCTOR_CONNECTIONS)
+    usable = int(max_connections) - int(superuser_reserved) - int(reserved)
+    free = usable - int(in_use)
+    detail = (
+        f"{in_use} of {max_connections} in use, {superuser_reserved + reserved} reserved, "
+        f"{free} free (a session-mode run holds one for its whole run)"
+    )
+    if free <= 0:
+        return Finding(FAIL, "connections", f"{detail}: new runs will be refused")
+    if free < max(MIN_FREE_CONNECTIONS, usable // 10):
+        return Finding(WARN, "connections", f"{detail}: little headroom")
+    return Finding(OK, "connections", detail)
+
+
+def advisory(conn: Connection) -> list[Finding]:
+    """Advisory locks held now, and their share of the lock table every lock draws on."""
+    capacity = int(query.one(conn, sql.DOCTOR_LOCK_CAPACITY)[0])
+    cluster, here, by_jobrun = (int(value) for value in query.one(conn, sql.DOCTOR_ADVISORY))
+    held = Finding(
+        OK,
+        "advisory locks",
+        f"{here} held in this database now, {by_jobrun} of them by jobrun sessions; "
+        f"{cluster} in the whole cluster",
+    )
+    share = cluster / capacity if capacity else 1.0
+    detail = (
+        f"room for about {capacity} locks (max_locks_per_transaction x (max_connections + "
+        f"max_prepared_transactions)), shared by every lock; advisory locks take "
+        f"{share * _PERCENT:.1f}%"
+    )
+    status = FAIL if share >= LOCK_TABLE_FAIL else WARN if share >= LOCK_TABLE_WARN else OK
+    return [held, Finding(status, "lock table", detail)]

@@ -1,0 +1,49 @@
+"""Every doctor check in order; one that cannot run is reported UNKNOWN, saying why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from jobrun import db
+from jobrun.doctor.capacity import advisory, connections, schema
+from jobrun.doctor.defaults import READ_ONLY, end_immunity, immunise, session_defaults
+from jobrun.doctor.finding import UNKNOWN, Finding
+from jobrun.doctor.forensics import deadlock_logging
+from jobrun.doctor.server import connection, idle_timeouts, keepalives, pooler, role, server
+from jobrun.exitcodes import JobrunError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from jobrun.doctor.query import Connection
+
+
+def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]:
+    """Every check, in order; a check that cannot run is UNKNOWN, saying why."""
+    immune = immunise(conn)
+    defaults: dict[str, str] = {}
+    checks: tuple[tuple[str, Callable[[], Iterable[Finding]]], ...] = (
+        ("connection", lambda: [connection(conn, target)]),
+        ("server", lambda: [server(conn)]),
+        ("role", lambda: [role(conn)]),
+        ("session defaults", lambda: session_defaults(conn, mode, defaults)),
+        ("schema", lambda: schema(conn, mode, read_only=defaults.get(READ_ONLY) == "on")),
+        ("pooler", lambda: [pooler(conn, target, mode)]),
+        ("idle timeouts", lambda: idle_timeouts(conn)),
+        ("tcp keepalives", lambda: [keepalives(conn, mode)]),
+        ("connections", lambda: [connections(conn)]),
+        ("advisory locks", lambda: advisory(conn)),
+        ("deadlock logging", lambda: deadlock_logging(conn)),
+    )
+    findings: list[Finding] = []
+    for name, check in checks:
+        try:
+            findings.extend(check())
+        except (psycopg.Error, JobrunError) as exc:  # noqa: PERF203 - a dozen checks, not a hot loop
+            error = db.one_line(exc, target)
+            findings.append(Finding(UNKNOWN, name, f"could not check: {error}"))
+    if immune:
+        end_immunity(conn)
+    return findings
