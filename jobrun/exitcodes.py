@@ -10,6 +10,10 @@ class Exit(enum.IntEnum):
     """Exit statuses jobrun itself chooses; otherwise it passes on the child's status."""
 
     OK = 0
+    #: ``status --check``: a key is overdue, failing or stuck; ``stop``: nothing held KEY.
+    ATTENTION = 1
+    #: ``stop``: the run did not end within ``--wait`` (with ``--force``: its lock was taken).
+    NOT_ENDED = 3
     USAGE = 64
     DATA_ERROR = 65  # jobrun deadlocks: a file that is not a PostgreSQL log (EX_DATAERR)
     NO_INPUT = 66  # jobrun deadlocks: a log file missing or unreadable (EX_NOINPUT)
@@ -18,6 +22,8 @@ class Exit(enum.IntEnum):
     IO_ERROR = 74
     SKIPPED = 75
     LOCK_LOST = 76
+    #: The run was stopped on request (``jobrun stop``).
+    STOPPED = 77
     TIMED_OUT = 124
     NOT_EXECUTABLE = 126
     NOT_FOUND = 127
@@ -45,6 +51,10 @@ TABLE: tuple[tuple[str, str], ...] = (
         str(Exit.LOCK_LOST.value),
         "the lock was lost mid-run and the child was stopped (`--on-lock-lost terminate`)",
     ),
+    (
+        str(Exit.STOPPED.value),
+        "the run was stopped on request (`jobrun stop KEY`): SIGTERM, SIGKILL after `--kill-after`",
+    ),
     (str(Exit.TIMED_OUT.value), "`--timeout` ran out; the child was stopped"),
     (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
     (str(Exit.NOT_FOUND.value), "the command was not found"),
@@ -58,6 +68,14 @@ TABLE: tuple[tuple[str, str], ...] = (
             "line on stderr"
         ),
     ),
+    (
+        str(Exit.ATTENTION.value),
+        (
+            "`jobrun status --check`: a key is overdue, failing or stuck; `jobrun stop`: "
+            "nothing held the key"
+        ),
+    ),
+    (str(Exit.NOT_ENDED.value), "`jobrun stop`: the run did not end within `--wait`"),
     (
         str(Exit.BROKEN_PIPE.value),
         (

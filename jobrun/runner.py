@@ -12,6 +12,7 @@ from jobrun import supervise
 from jobrun.exitcodes import Exit, Interrupted, LockLost, LockStoreUnavailable, from_wait_status
 from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
+from jobrun.slots import SlotLock
 from jobrun.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -47,6 +48,14 @@ class Recorder(Protocol):
 
     def acquired(self, once_per: float | None) -> dict[str, Any] | None:
         """Mark dead runs abandoned; return an earlier run that makes this one redundant."""
+        ...
+
+    def paused(self) -> dict[str, object] | None:
+        """The pause (``jobrun pause``) of this key in force, as ``paused_*`` fields."""
+        ...
+
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Record the run under these lock ids (``--slots``: its slot's)."""
         ...
 
     def started(self, child_pid: int | None) -> None:
@@ -176,6 +185,11 @@ class _GuardedRun:
             with supervise.signals_held() as child_mask:
                 self.status = self._run_child(child_mask, watchdog=None, recorder=NoHistory())
             return self.status
+        if holder is None and isinstance(self.lock, SlotLock) and self.lock.lock_id is not None:
+            # The history knows the run by its slot's lock id: a run in another slot of the
+            # key is alive, not abandoned.
+            log.info("slot_taken", slot=self.lock.slot, slot_lock_id=self.lock.lock_id)
+            self.recorder.use_lock_ids([self.lock.lock_id])
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
             try:
@@ -230,6 +244,14 @@ class _GuardedRun:
                 if not checked_anyway:
                     return exc.exit_code
                 earlier = None
+            pause = self.recorder.paused()
+            if pause is not None:
+                # Not a streak: the operator asked for these skips.
+                log.info("skipped", reason="paused", exit_code=job.skip_exit_code, **pause)
+                self.recorder.skipped("paused", pause, job.skip_exit_code)
+                if self.pinger is not None:  # --- operators: --ping
+                    self.pinger.skipped("paused", pause)
+                return job.skip_exit_code
             if earlier is not None:
                 fields = {f"previous_{name}": value for name, value in earlier.items()}
                 log.info("skipped", reason="already_ran", exit_code=job.skip_exit_code, **fields)
@@ -265,6 +287,8 @@ class _GuardedRun:
                 recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                 return int(Exit.LOCK_LOST)
         env = child_environment(self.environ, job, self.identity.run_id)
+        if isinstance(self.lock, SlotLock) and self.lock.slot is not None:
+            env["JOBRUN_SLOT"] = str(self.lock.slot)
         supervise.become_subreaper()
         started = time.monotonic()
         capture = self.capture
@@ -319,6 +343,8 @@ def _outcome(ending: supervise.Ending) -> tuple[str, int]:
         return "timed_out", int(Exit.TIMED_OUT)
     if ending.stopped_for == "lock_lost":
         return "lock_lost", int(Exit.LOCK_LOST)
+    if ending.stopped_for == "stopped":
+        return "stopped", int(Exit.STOPPED)
     status = from_wait_status(ending.returncode)
     return ("succeeded" if status == 0 else "failed"), status
 
@@ -337,7 +363,13 @@ def _hold(until: float, log: FilteringBoundLogger) -> None:
 def _log_finished(
     ending: supervise.Ending, outcome: str, status: int, log: FilteringBoundLogger
 ) -> None:
-    emit = log.info if outcome == "succeeded" else log.warning if outcome == "failed" else log.error
+    emit = (
+        log.info
+        if outcome == "succeeded"
+        else log.warning
+        if outcome in {"failed", "stopped"}
+        else log.error
+    )
     emit(
         "finished",
         outcome=outcome,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from jobrun.durations import format_seconds
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
+from jobrun.slots import MAX_SLOTS, slot_lock_id
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -29,6 +31,10 @@ _APP_PREFIX = "jobrun:"
 _SHORT_RUN_ID = 8
 #: History statements of ``status``/``history`` give up after this long.
 _STATEMENT_TIMEOUT_MS = "30000"
+#: A run is stuck past this many times its typical duration, and at least this many
+#: seconds past it.
+STUCK_FACTOR = 3.0
+STUCK_MINIMUM = 60.0
 
 
 @dataclass
@@ -51,6 +57,41 @@ class KeyStatus:
     failure_streak: int = 0
     last_skip_at: str | None = None
     extra_lock_ids: list[int] = field(default_factory=list)
+    #: ``jobrun pause``: by whom (host, user, pid), since, until, why (None: not paused).
+    paused: dict[str, object] | None = None
+    #: ``--expect-every`` and its grace, in seconds (None: no expectation).
+    expect_every: float | None = None
+    expect_grace: float | None = None
+    #: The last success started longer ago than expect_every + expect_grace.
+    overdue: bool = False
+    last_success_started_at: str | None = None
+    #: How long the run going now has run (None: none is going, per the history).
+    running_for: float | None = None
+    #: ``--slots``: how many slots of the key are held now (0: none, or no slots).
+    slots_in_use: int = 0
+
+    @property
+    def stuck(self) -> bool:
+        """Held by a run going on for over STUCK_FACTOR times its typical duration.
+
+        (And at least STUCK_MINIMUM seconds past it: a 2-second job is not stuck at 7 s.)
+        A key with no successful run yet has no typical duration and is never stuck.
+        """
+        if self.holder is None or self.running_for is None or self.typical_duration is None:
+            return False
+        limit = max(STUCK_FACTOR * self.typical_duration, self.typical_duration + STUCK_MINIMUM)
+        return self.running_for > limit
+
+    def attention(self, alert_after: int) -> list[str]:
+        """What ``status --check`` reports about this key: overdue, failing, stuck."""
+        found = []
+        if self.overdue:
+            found.append("overdue")
+        if alert_after > 0 and self.failure_streak >= alert_after:
+            found.append("failing")
+        if self.stuck:
+            found.append("stuck")
+        return found
 
     def as_json(self) -> dict[str, object]:
         """The stable JSON object (see docs/operations.md for every field)."""
@@ -70,6 +111,13 @@ class KeyStatus:
             "skip_streak": self.skip_streak,
             "failure_streak": self.failure_streak,
             "last_skip_at": self.last_skip_at,
+            "paused": self.paused,
+            "expect_every": self.expect_every,
+            "expect_grace": self.expect_grace,
+            "overdue": self.overdue,
+            "running_for": self.running_for,
+            "stuck": self.stuck,
+            "slots_in_use": self.slots_in_use,
         }
 
 
@@ -113,16 +161,40 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     for label in labels or history:
         found = history.get(label)
         rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
+    controls = _controls(conn, labels, notes)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
+        for label in controls:
+            rows.setdefault(label, KeyStatus(label, lock_ids_of(label)))
+    for label, fields in controls.items():
+        if label in rows:
+            for name, value in fields.items():
+                setattr(rows[label], name, value)
     for row in rows.values():
         for lock_id in sorted(row.lock_ids):
             holder = leases.get(lock_id, (None, None))[1] or advisory.get(lock_id, (None, None))[1]
             if holder is not None:
                 row.holder = holder
                 break
+    _add_slots(rows.values(), {**advisory, **leases})
     ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
     return Report(keys=ordered, notes=notes)
+
+
+def _add_slots(rows: Iterable[KeyStatus], held: dict[int, tuple[str | None, Holder]]) -> None:
+    """``--slots``: how many slots of each key are held, and a holder if none was found."""
+    for row in rows:
+        if "," in row.key or row.key.startswith(keys.LOCK_ID_PREFIX):
+            continue
+        slot_ids = _slot_ids(row.key)
+        in_use = [
+            holder
+            for lock_id, (label, holder) in held.items()
+            if lock_id in slot_ids and label == row.key
+        ]
+        if in_use:
+            row.slots_in_use = len(in_use)
+            row.holder = row.holder or in_use[0]
 
 
 def _add_unknown_holders(
@@ -168,6 +240,40 @@ def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[
             failure_streak=row["failure_streak"],
             last_skip_at=iso(row["last_skip_at"]),
         )
+    return found
+
+
+def _controls(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, Row]:
+    """Pauses, expectations and running runs: status fields by key label."""
+    params = {"all": not labels, "keys": list(labels)}
+    try:
+        pauses = _read(conn, sql.STATUS_PAUSES, params)
+        expectations = _read(conn, sql.STATUS_EXPECTATIONS, params)
+        running = _read(conn, sql.STATUS_RUNNING, params)
+    except errors.UndefinedTable:
+        return {}
+    except errors.InsufficientPrivilege as exc:
+        notes.append(f"pauses and expectations not readable: {' '.join(str(exc).split())}")
+        return {}
+    found: dict[str, Row] = {}
+    for pause in pauses:
+        found.setdefault(pause["key"], {})["paused"] = {
+            "host": pause["host"],
+            "user": pause["username"],
+            "pid": pause["pid"],
+            "since": iso(pause["paused_at"]),
+            "until": iso(pause["until"]),
+            "reason": pause["reason"],
+        }
+    for expected in expectations:
+        found.setdefault(expected["key"], {}).update(
+            expect_every=expected["every"],
+            expect_grace=expected["grace"],
+            overdue=bool(expected["overdue"]),
+            last_success_started_at=iso(expected["last_success_started_at"]),
+        )
+    for run in running:
+        found.setdefault(run["key"], {})["running_for"] = _seconds(run["running_for"])
     return found
 
 
@@ -238,7 +344,16 @@ def _label_from_app(lock_id: int, app_name: object) -> str | None:
     for candidate in (label, *label.split(",")):
         if candidate and _lock_id_of(candidate) == lock_id:
             return candidate
+    # A run with --slots holds a slot's lock under its key's name.
+    if not label.startswith(keys.LOCK_ID_PREFIX) and lock_id in _slot_ids(label):
+        return label
     return f"lock-id:{lock_id}"
+
+
+@functools.cache
+def _slot_ids(name: str) -> frozenset[int]:
+    """Every slot lock id a key may have (``--slots`` up to MAX_SLOTS)."""
+    return frozenset(slot_lock_id(name, slot) for slot in range(MAX_SLOTS))
 
 
 def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
@@ -299,6 +414,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
         "DEADLOCKS",
         "SKIPS",
         "FAILS",
+        "NOTE",
     )
     lines = [header]
     for row in rows:
@@ -317,6 +433,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
                 _count(row.last_deadlocks),
                 str(row.skip_streak),
                 str(row.failure_streak),
+                _note(row),
             )
         )
     return _align(lines)
@@ -375,6 +492,41 @@ def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:
         for pair in pairs
     )
     return _align(lines)
+
+
+def _note(row: KeyStatus) -> str:
+    """Paused (until when, by whom), overdue, stuck: what an operator should know at once."""
+    notes = []
+    if row.paused is not None:
+        until = row.paused["until"]
+        notes.append(
+            f"paused until {_when(str(until)) if until else 'resumed'} by "
+            f"{row.paused['user']}@{row.paused['host']}"
+        )
+    if row.slots_in_use:
+        notes.append(f"{row.slots_in_use} slots in use")
+    if row.overdue:
+        notes.append("overdue")
+    if row.stuck:
+        notes.append("stuck")
+    return ", ".join(notes) or "-"
+
+
+def check_lines(rows: Iterable[KeyStatus], alert_after: int) -> list[str]:
+    """``status --check``: one line per key that is overdue, failing or stuck."""
+    lines = []
+    for row in rows:
+        for what in row.attention(alert_after):
+            detail = {
+                "overdue": f"last success started {_when(row.last_success_started_at)}, "
+                f"expected every {_duration(row.expect_every)} "
+                f"(grace {_duration(row.expect_grace)})",
+                "failing": f"{row.failure_streak} failures in a row",
+                "stuck": f"running for {_duration(row.running_for)}, typically "
+                f"{_duration(row.typical_duration)}",
+            }[what]
+            lines.append(f"{what}: {row.key}: {detail}")
+    return lines
 
 
 def _count(value: int | None) -> str:

@@ -59,7 +59,7 @@ class Ending:
     """How the child's run ended."""
 
     returncode: int  # Popen convention: negative = killed by that signal
-    stopped_for: str | None  # "timed_out" or "lock_lost" when jobrun stopped it
+    stopped_for: str | None  # "timed_out", "lock_lost" or "stopped" when jobrun stopped it
     lost_reason: str | None  # why the lock was lost (also with --on-lock-lost ignore)
     duration: float
 
@@ -272,6 +272,14 @@ class _Supervision:
     def _check_lock(self, now: float) -> None:
         watchdog = self.watchdog
         if watchdog is None:
+            return
+        if watchdog.stop_request is not None and watchdog.lost is None:
+            # Stopped on request: as for a lost lock, but the lock stays watched meanwhile.
+            self.log.warning(
+                "stop_requested",
+                **{f"requested_by_{name}": value for name, value in watchdog.stop_request.items()},
+            )
+            self._begin_stop("stopped")
             return
         reason = watchdog.lost
         if reason is None and now >= watchdog.stop_at:

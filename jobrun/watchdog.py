@@ -41,6 +41,8 @@ class Watchdog:
         self._wake = wake
         self._log = log
         self.lost: str | None = None
+        #: Who asked (``jobrun stop``) for this run to stop, once a check has read it.
+        self.stop_request: dict[str, object] | None = None
         self.stop_at = confirmed_at + lock.confirmation_lifetime
         # The acquisition was the first confirmation: the first check is one interval later.
         self._first_check = confirmed_at + interval
@@ -106,4 +108,7 @@ class Watchdog:
                 self._log.info("heartbeat_recovered", failures=failures)
                 failures = 0
             self.stop_at = sent + self._lock.confirmation_lifetime
+            if self._lock.stop_request is not None and self.stop_request is None:
+                self.stop_request = self._lock.stop_request
+                self._wake()
             self._lock.pause(sent + self._interval - time.monotonic(), self._stop_r)

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 
 #: The documented fields of one ``jobrun status --json`` object (docs/operations.md).
 STATUS_FIELDS = {
+    "paused",
+    "expect_every",
+    "expect_grace",
+    "overdue",
+    "running_for",
+    "stuck",
+    "slots_in_use",
     "key",
     "lock_ids",
     "held",

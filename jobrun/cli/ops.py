@@ -6,7 +6,7 @@ import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
-from jobrun.exitcodes import UsageError
+from jobrun.exitcodes import Exit, UsageError
 
 
 def register(group: click.Group) -> None:
@@ -20,10 +20,27 @@ def register(group: click.Group) -> None:
 
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_labels", nargs=-1, metavar="[KEY]...")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Exit 1 if a key is overdue, failing or stuck (each named on stderr).",
+)
+@click.option(
+    "--alert-after",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="With --check: a key failing this many times in a row is failing; 0: never.",
+)
 @options.database
 @options.as_json
-def status_command(
-    key_labels: tuple[str, ...], dsn: str, connect_timeout: float, as_json: bool
+def status_command(  # noqa: PLR0917 - click passes one parameter per option
+    key_labels: tuple[str, ...],
+    check: bool,
+    alert_after: int,
+    dsn: str,
+    connect_timeout: float,
+    as_json: bool,
 ) -> int:
     """What is held right now, and how each key's runs went.
 
@@ -51,6 +68,11 @@ def status_command(
         click.echo(status.status_table(found.keys))
     else:
         click.echo("nothing held, no run history")
+    if check:
+        problems = status.check_lines(found.keys, alert_after)
+        for line in problems:
+            click.echo(f"jobrun: {line}", err=True)
+        return int(Exit.ATTENTION) if problems else 0
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import click
 from click.core import ParameterSource
@@ -14,9 +14,12 @@ from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
+    from jobrun.history.calls import SharedSession
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
@@ -52,6 +55,9 @@ class Settings(NamedTuple):
     alert_repeat: float
     on_alert: str | None
     metrics_file: str | None
+    expect_every: float | None
+    expect_grace: float | None
+    slots: int
     ping: str | None
     ping_timeout: float
     keep_output: str | None
@@ -190,6 +196,29 @@ class Settings(NamedTuple):
     help="Prometheus textfile written after each run or skip ({key} is replaced).",
 )
 @options.option(
+    "--expect-every",
+    envvar="JOBRUN_EXPECT_EVERY",
+    type=options.Duration(minimum="1s", why="it is how often the job should succeed"),
+    metavar="DURATION",
+    help="The key should succeed this often: status --check says overdue past it plus grace.",
+)
+@options.option(
+    "--expect-grace",
+    envvar="JOBRUN_EXPECT_GRACE",
+    type=options.Duration(),
+    metavar="DURATION",
+    help="Slack past --expect-every before a key is overdue (default: 10% of it).",
+)
+@options.option(
+    "--slots",
+    envvar="JOBRUN_SLOTS",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="At most N runs of the key at once (the child gets JOBRUN_SLOT, 0-based).",
+)
+@options.option(
     "--ping",
     envvar="JOBRUN_PING",
     metavar="URL",
@@ -245,6 +274,9 @@ def cli(
     alert_repeat: float,
     on_alert: str | None,
     metrics_file: str | None,
+    expect_every: float | None,
+    expect_grace: float | None,
+    slots: int,
     ping: str | None,
     ping_timeout: float,
     keep_output: str | None,
@@ -262,8 +294,8 @@ def cli(
 
     Every option can also be set from the environment variable shown with it.
     Exit status: the child's own; 75 skipped; 69 database unavailable; 64 usage error;
-    76 lock lost; 124 timed out; 126/127 command not executable / not found; 74 output
-    error; 141 output pipe closed.
+    76 lock lost; 77 stopped (jobrun stop); 124 timed out; 126/127 command not executable /
+    not found; 74 output error; 141 output pipe closed.
     """
     if ctx.invoked_subcommand is not None:
         return None
@@ -281,6 +313,12 @@ def cli(
         heartbeat, lifetime = lease.heartbeat, lease.lifetime
     if once_per is not None and no_history:
         raise UsageError("--once-per needs the run history: drop --no-history")
+    if expect_every is not None and no_history:
+        raise UsageError("--expect-every is kept in the run history: drop --no-history")
+    if slots > 1 and (len(run_keys) != 1 or run_keys[0].name is None):
+        raise UsageError("--slots takes one key name (--key NAME)")
+    if expect_grace is not None and expect_every is None:
+        raise UsageError("--expect-grace goes with --expect-every")
     settings = Settings(
         run_keys=run_keys,
         mode=mode,
@@ -304,6 +342,15 @@ def cli(
         alert_repeat=alert_repeat,
         on_alert=on_alert,
         metrics_file=metrics_file,
+        expect_every=expect_every,
+        expect_grace=(
+            None
+            if expect_every is None
+            else expect_grace
+            if expect_grace is not None
+            else expect_every / 10
+        ),
+        slots=slots,
         ping=ping,
         ping_timeout=ping_timeout,
         keep_output=keep_output,
@@ -394,23 +441,16 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
         once_per=settings.once_per,
     )
     lock: Lock
-    if settings.mode == "lease":
-        from jobrun.locks import lease
+    if settings.slots > 1:
+        from jobrun import slots
 
-        lock = lease.LeaseLock(
-            run_keys, target, identity, bound, ttl=settings.ttl, lifetime=settings.lifetime
+        slot_keys = slots.slot_keys(run_keys[0], settings.slots)
+        lock = slots.SlotLock(
+            [_lock(settings, (key,), target, identity, bound) for key in slot_keys],
+            [key.lock_id for key in slot_keys],
         )
     else:
-        from jobrun.locks import session
-
-        lock = session.SessionLock(
-            run_keys,
-            target,
-            identity,
-            bound,
-            heartbeat=settings.heartbeat,
-            kill_after=settings.kill_after,
-        )
+        lock = _lock(settings, run_keys, target, identity, bound)
     recorder = _recorder(settings, target, identity, program=argv[0], log=bound, lock=lock)
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
@@ -439,6 +479,32 @@ def _run(argv: tuple[str, ...], settings: Settings) -> int:
     return status
 
 
+def _lock(
+    settings: Settings,
+    run_keys: tuple[keys.Key, ...],
+    target: db.Target,
+    identity: Identity,
+    log: FilteringBoundLogger,
+) -> Lock:
+    """The lock of the run's mode on ``run_keys``."""
+    if settings.mode == "lease":
+        from jobrun.locks import lease
+
+        return lease.LeaseLock(
+            run_keys, target, identity, log, ttl=settings.ttl, lifetime=settings.lifetime
+        )
+    from jobrun.locks import session
+
+    return session.SessionLock(
+        run_keys,
+        target,
+        identity,
+        log,
+        heartbeat=settings.heartbeat,
+        kill_after=settings.kill_after,
+    )
+
+
 def _recorder(
     settings: Settings,
     target: db.Target,
@@ -457,7 +523,6 @@ def _recorder(
     from jobrun import alerts
     from jobrun.history import notify, recorder
     from jobrun.history.config import HistoryConfig
-    from jobrun.locks.session import SessionLock
 
     config = HistoryConfig(
         keep=settings.keep,
@@ -465,6 +530,8 @@ def _recorder(
         alert_repeat=settings.alert_repeat,
         on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
         metrics_file=settings.metrics_file,
+        expect_every=settings.expect_every,
+        expect_grace=settings.expect_grace,
         # WARNING: a history call holds the lock session (and so the heartbeat) up: its
         # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
         # in lease mode it must never outlast half of what a renewal vouches for.
@@ -479,7 +546,7 @@ def _recorder(
             config=config,
             log=log,
         )
-        return notify.NoHistory(notifier)
+        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
     return recorder.Recorder(
         target,
         identity,
@@ -489,5 +556,43 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
-        shared=lock if isinstance(lock, SessionLock) else None,
+        shared=_shared(settings, lock),
     )
+
+
+def _pause_check(
+    settings: Settings, target: db.Target, lock: Lock, log: FilteringBoundLogger
+) -> Callable[[], dict[str, object] | None]:
+    """Without history, the pause check: a statement of its own, after the lock is taken.
+
+    Session mode: one more round trip on the lock session; lease mode: one more connection.
+    """
+    from jobrun import sql
+    from jobrun.history import calls, recorder
+
+    checker = calls.Calls(
+        target,
+        app_name="jobrun-pause-check",
+        timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
+        log=log,
+        shared=_shared(settings, lock),
+        # --no-history: no pause table, no pause; never create the schema for it.
+        create_schema=False,
+    )
+
+    def check() -> dict[str, object] | None:
+        found = checker.run(
+            "checking for a pause",
+            (sql.PAUSES_IN_FORCE,),
+            {"pause_keys": recorder.pause_keys(settings.run_keys)},
+        )
+        return recorder.pause_fields(found[0][0]) if found and found[0] else None
+
+    return check
+
+
+def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
+    """Session mode: the lock session, lent to the history (the run's one server session)."""
+    if settings.mode != "session":
+        return None
+    return cast("SharedSession", lock)

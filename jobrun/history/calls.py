@@ -81,6 +81,7 @@ class Calls:
         timeout: float,
         log: FilteringBoundLogger,
         shared: SharedSession | None = None,
+        create_schema: bool = True,
     ) -> None:
         self._target = dataclasses.replace(
             target, connect_timeout=min(target.connect_timeout, CONNECT_TIMEOUT)
@@ -89,6 +90,8 @@ class Calls:
         self._timeout = timeout
         self._log = log
         self._shared = shared
+        #: False: a missing table means no rows (a read that must not create the schema).
+        self._create_schema = create_schema
         self._warned = False
         #: Calls that failed, and whether the database is given up on for this run.
         self.failures = 0
@@ -158,6 +161,8 @@ class Calls:
             self.round_trips += 1
             return _results(conn, message, values)
         except (errors.UndefinedTable, errors.UndefinedColumn):
+            if not self._create_schema:
+                return [[] for _ in statements]
             self.round_trips += 2
             ensure_schema(conn, timeout_ms=int(self._timeout * 1000))
             return _results(conn, message, values)

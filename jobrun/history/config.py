@@ -40,6 +40,10 @@ class HistoryConfig:
     #: Longest one history call may take: shared by its statements, each cancelled by the
     #: server (statement_timeout, lock_timeout) after its share.
     timeout: float = 5.0
+    #: ``--expect-every``: seconds between successful runs, and the grace past that before
+    #: ``status`` calls the key overdue (None: no expectation recorded).
+    expect_every: float | None = None
+    expect_grace: float | None = None
 
     def __post_init__(self) -> None:
         if self.keep < 1:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from jobrun import metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from structlog.typing import FilteringBoundLogger
 
@@ -121,8 +121,20 @@ class Notifier:
 class NoHistory:
     """The recorder of a run without history: nothing in the database, metrics if asked."""
 
-    def __init__(self, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self,
+        notifier: Notifier | None = None,
+        pauses: Callable[[], dict[str, object] | None] | None = None,
+    ) -> None:
         self.notifier = notifier
+        self._pauses = pauses
+
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Nothing is recorded."""
+
+    def paused(self) -> dict[str, object] | None:
+        """The pause of this key in force (a statement of its own: there is no history call)."""
+        return self._pauses() if self._pauses is not None else None
 
     def acquired(self, once_per: float | None) -> dict[str, object] | None:  # noqa: ARG002 - the Recorder's interface
         """Without history there is no earlier run to know about."""

@@ -81,8 +81,13 @@ class Recorder:
             "keep": config.keep,
             "alert_after": config.alert_after,
             "repeat": config.alert_repeat,
+            # A pause of the run's label, or of any of its key names, skips it.
+            "pause_keys": pause_keys(keys),
+            "expect_every": config.expect_every,
+            "expect_grace": config.expect_grace,
         }
         self._created = time.monotonic()
+        self._pause: dict[str, object] | None = None
         self._acquired_at: dt.datetime | None = None
         self._deadlocks_at_start: int | None = None
         self._child_pid: int | None = None
@@ -101,9 +106,17 @@ class Recorder:
         ``once_per`` is given and the history cannot be read and written: whether this
         window already had its run is then unknown, and the promise is to fail closed.
         """
+        # The pause and the expectation ride in the same message: no extra round trip.
         result = self._calls.run(
             "checking earlier runs",
-            (sql.RUNS_ABANDON, sql.RUNS_ALREADY_RAN, sql.RUNS_ACQUIRED, sql.RUNS_SKIPS_RECOVERED),
+            (
+                sql.RUNS_ABANDON,
+                sql.RUNS_ALREADY_RAN,
+                sql.PAUSES_IN_FORCE,
+                sql.RUNS_ACQUIRED,
+                sql.RUNS_SKIPS_RECOVERED,
+                sql.EXPECTATION,
+            ),
             {**self._row, "window": once_per},
         )
         if result is None:
@@ -114,7 +127,8 @@ class Recorder:
                     reason="history_unavailable",
                 )
             return None
-        abandoned, earlier, ours, recovered = result
+        abandoned, earlier, paused, ours, recovered, _ = result
+        self._pause = pause_fields(paused[0]) if paused else None
         for run in abandoned:
             self._log.warning(
                 "abandoned_run",
@@ -144,6 +158,14 @@ class Recorder:
             "outcome": found["outcome"],
             "window_start": iso(found["window_start"]),
         }
+
+    def use_lock_ids(self, lock_ids: list[int]) -> None:
+        """Record the run under these lock ids (``--slots``: the slot taken)."""
+        self._row["lock_ids"] = list(lock_ids)
+
+    def paused(self) -> dict[str, object] | None:
+        """The pause of this key that ``acquired`` found in force (None: not paused)."""
+        return self._pause
 
     def started(self, child_pid: int | None) -> None:
         """Remember the child's pid for the end of the run (the running row already exists)."""
@@ -287,3 +309,21 @@ class Recorder:
 
 def _json_dumps(value: object) -> str:
     return json.dumps(value, default=str)
+
+
+def pause_keys(keys: tuple[Key, ...]) -> list[str]:
+    """The labels a pause may name to skip a run of ``keys``: its label and each key's."""
+    return list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
+
+
+def pause_fields(row: Mapping[str, object]) -> dict[str, object]:
+    """``paused_*`` log fields of a pause row."""
+    return {
+        "paused_by_host": row["host"],
+        "paused_by_user": row["username"],
+        "paused_by_pid": row["pid"],
+        "paused_since": iso(row["paused_at"]),
+        "paused_until": iso(row["until"]),
+        "paused_reason": row["reason"],
+        "paused_key": row["key"],
+    }

@@ -65,6 +65,9 @@ class Lock(Protocol):
     confirmation_lifetime: float
     #: Monotonic time the successful acquisition was sent (lease) or completed (session).
     confirmed_at: float
+    #: A ``jobrun stop`` request for this run (host, username, pid, reason, requested_at),
+    #: set by the ``check`` that first read it.
+    stop_request: dict[str, object] | None
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key (None) or none of them (who holds the first one we could not get)."""

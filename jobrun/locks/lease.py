@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import select
 import time
@@ -115,6 +116,8 @@ class LeaseLock:
         self.confirmed_at = 0.0
         self._app_name = db.application_name(describe(keys))
         self._held = False
+        #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
+        self.stop_request: dict[str, object] | None = None
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
@@ -204,7 +207,7 @@ class LeaseLock:
         """Renew every lease, owner-checked; a lease that is no longer ours is lost."""
         try:
             with db.connect(self._target, app_name=self._app_name) as conn:
-                renewed = len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
+                renewed = self._renew_and_read_stop(conn)
         except psycopg.Error as exc:
             raise db.unavailable(exc, self._target, "renewing the lease") from None
         if renewed != len(self._keys):
@@ -213,6 +216,20 @@ class LeaseLock:
             raise LockLost(
                 f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
             )
+
+    def _renew_and_read_stop(self, conn: psycopg.Connection[tuple[object, ...]]) -> int:
+        """Renew (how many leases are still ours), reading a ``jobrun stop`` request for us.
+
+        Where the stop requests' table does not exist, the plain renewal (in the same
+        connection: the failed statement ended its own transaction).
+        """
+        try:
+            row = conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone()
+        except errors.UndefinedTable:
+            return len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
+        if row and row[1] is not None and self.stop_request is None:
+            self.stop_request = json.loads(str(row[1]))
+        return int(str(row[0])) if row else 0
 
     def pause(self, seconds: float, stop_fd: int) -> None:
         """No connection to watch between renewals: just wait."""

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 #: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
 CONFIRMATION_LIFETIME = 10.0
 
+#: Without a stop requests' table, look for one again after this long (seconds).
+STOP_TABLE_PROBE = 10.0
+
 #: Longest single blocking wait for a key (lock_timeout's limit is about 24.8 days).
 _WAIT_SLICE = 86400.0
 
@@ -75,6 +78,10 @@ class SessionLock:
         self.comment = self._comment
         self._app_name = db.application_name(describe(keys))
         self.confirmed_at = 0.0
+        self._run_id = identity.run_id
+        #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
+        self.stop_request: dict[str, object] | None = None
+        self._stop_probe_at = 0.0
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
@@ -198,9 +205,7 @@ class SessionLock:
         if conn is None or conn.closed:
             raise LockLost("the lock session is closed")
         try:
-            row = conn.execute(
-                self._comment + sql.HELD_BY_US, ([key.lock_id for key in self._held],)
-            ).fetchone()
+            row = self._check_and_read_stop(conn)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise LockLost(
@@ -212,6 +217,29 @@ class SessionLock:
             raise LockLost(
                 f"the server no longer shows our advisory lock ({held} of {len(self._held)} held)"
             )
+
+    def _check_and_read_stop(
+        self, conn: psycopg.Connection[tuple[object, ...]]
+    ) -> tuple[object, ...] | None:
+        """The heartbeat's statement: our locks, and a ``jobrun stop`` request for this run.
+
+        Where the stop requests' table does not exist (yet), the plain check; probed again
+        after a while, so a table created by a first ``jobrun stop`` is found.
+        """
+        held = [key.lock_id for key in self._held]
+        now = time.monotonic()
+        if now >= self._stop_probe_at:
+            try:
+                row = conn.execute(
+                    self._comment + sql.HELD_BY_US_OR_STOP, (held, self._run_id)
+                ).fetchone()
+            except errors.UndefinedTable:
+                self._stop_probe_at = now + STOP_TABLE_PROBE
+            else:
+                if row and row[1] is not None and self.stop_request is None:
+                    self.stop_request = json.loads(str(row[1]))
+                return row
+        return conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()
 
     def known_lost(self) -> str | None:
         """The lock session broke (a history call on it failed): the server freed our keys."""

@@ -1,0 +1,184 @@
+"""``stop``, ``pause``, ``resume``: operators steer a key's runs from any host."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import click
+
+from jobrun.cli import options
+from jobrun.cli.group import Subcommand
+from jobrun.durations import format_seconds
+from jobrun.exitcodes import Exit, UsageError
+
+#: ``stop --wait`` by default: the default --kill-after (10 s), the heartbeat that delivers
+#: the request (the session confirmation lifetime, 10 s) and a margin.
+STOP_WAIT = "30s"
+
+
+def register(group: click.Group) -> None:
+    """Add the stop, pause and resume subcommands to a group."""
+    group.add_command(stop_command)
+    group.add_command(pause_command)
+    group.add_command(resume_command)
+
+
+reason_option = click.option(
+    "--reason", metavar="TEXT", help="Why: logged by the run and shown by status."
+)
+
+
+@click.command("stop", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
+@click.argument("key_label", metavar="KEY")
+@reason_option
+@click.option(
+    "--wait",
+    type=options.Duration(),
+    default=STOP_WAIT,
+    show_default=True,
+    metavar="DURATION",
+    help="How long to wait for the run to end (its --kill-after plus its heartbeat, at least).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="If the run has not ended after --wait, take its lock away (terminate its lock "
+    "session, delete its lease).",
+)
+@options.database
+def stop_command(  # noqa: PLR0917 - click passes one parameter per option
+    key_label: str,
+    reason: str | None,
+    wait: float,
+    force: bool,
+    dsn: str,
+    connect_timeout: float,
+) -> int:
+    """Stop the run holding KEY, wherever it runs, as if its lock were lost.
+
+    The run reads the request at its next heartbeat, stops its child (SIGTERM to the group,
+    SIGKILL after its --kill-after), logs who asked and ends with outcome stopped (exit 77).
+    Exit status: 0 the run ended; 1 nothing held KEY; 3 it did not end within --wait
+    (with --force: its lock was then taken away).
+    """
+    from jobrun import control, db, keys
+
+    keys.validate_label(key_label)
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-stop") as conn,
+        db.translate_errors(where, "stopping the run"),
+    ):
+        holder = control.holder_of(conn, key_label)
+        if holder is None:
+            click.echo(f"jobrun: nothing holds {key_label}", err=True)
+            return int(Exit.ATTENTION)
+        who = f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})"
+        if holder.run_id is None:
+            # Not a jobrun run (or one that does not announce itself): it cannot read a request.
+            click.echo(
+                f"jobrun: {key_label} is held by a session that is not a jobrun run "
+                f"(backend pid {holder.backend_pid}): it cannot be asked to stop",
+                err=True,
+            )
+            if force:
+                control.take_away(conn, holder)
+                click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
+            return int(Exit.NOT_ENDED)
+        control.request_stop(conn, key_label, holder, reason)
+        click.echo(f"asked {who} to stop", err=True)
+        result = control.wait_for_end(conn, key_label, holder, wait, force=force)
+    if result.ended:
+        how = f": {result.outcome} (exit {result.exit_code})" if result.outcome else ""
+        click.echo(f"{key_label}: {who} ended{how}")
+        return 0
+    if result.took_lock:
+        click.echo(
+            f"jobrun: {who} did not end within {format_seconds(wait)}; took its "
+            "lock away (--force): it stops at its next heartbeat if it is still alive",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"jobrun: {who} did not end within {format_seconds(wait)} "
+            "(--force takes its lock away)",
+            err=True,
+        )
+    return int(Exit.NOT_ENDED)
+
+
+@click.command("pause", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
+@click.argument("key_label", metavar="KEY")
+@click.option(
+    "--for",
+    "for_",
+    type=options.Duration(minimum="1s", why="a pause lasts a while"),
+    metavar="DURATION",
+    help="Pause for this long (default: until resumed).",
+)
+@click.option(
+    "--until",
+    metavar="TIME",
+    help="Pause until this ISO 8601 time (without a zone: this machine's local time).",
+)
+@reason_option
+@options.database
+def pause_command(  # noqa: PLR0917 - click passes one parameter per option
+    key_label: str,
+    for_: float | None,
+    until: str | None,
+    reason: str | None,
+    dsn: str,
+    connect_timeout: float,
+) -> int:
+    """Pause KEY: its runs skip (reason paused, the skip status) until resumed.
+
+    A run already going is not affected; paused skips never build a skip streak.
+    """
+    from jobrun import control, db, keys
+
+    keys.validate_label(key_label)
+    if for_ is not None and until is not None:
+        raise UsageError("--for and --until exclude each other")
+    until_at = _time(until) if until is not None else None
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-pause") as conn,
+        db.translate_errors(where, "pausing the key"),
+    ):
+        since, ends = control.pause(conn, key_label, seconds=for_, until=until_at, reason=reason)
+    click.echo(f"paused {key_label} since {since} until {ends or 'resumed'}")
+    return 0
+
+
+@click.command("resume", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
+@click.argument("key_label", metavar="KEY")
+@options.database
+def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
+    """End the pause of KEY: its next run goes ahead."""
+    from jobrun import control, db, keys
+
+    keys.validate_label(key_label)
+    where = options.target(dsn, connect_timeout)
+    with (
+        db.connect(where, app_name="jobrun-resume") as conn,
+        db.translate_errors(where, "resuming the key"),
+    ):
+        was_paused = control.resume(conn, key_label)
+    click.echo(f"resumed {key_label}" if was_paused else f"{key_label} was not paused")
+    return 0
+
+
+def _time(text: str) -> dt.datetime:
+    """``--until``: an ISO 8601 time in the future (no zone: local time)."""
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(
+            f"--until {text!r}: not an ISO 8601 time (e.g. 2026-12-01T06:00:00+00:00)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    if when <= dt.datetime.now(dt.timezone.utc):
+        raise UsageError(f"--until {text!r} is in the past")
+    return when

@@ -1,0 +1,149 @@
+"""Operators in control: ask a run to stop, pause and resume a key, from any host."""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from psycopg import errors
+
+from jobrun import sql
+from jobrun.history.calls import ensure_schema
+from jobrun.history.config import iso
+from jobrun.keys import LOCK_ID_PREFIX
+from jobrun.locks import Holder
+from jobrun.locks.session import session_holder
+from jobrun.slots import MAX_SLOTS, slot_lock_id
+from jobrun.status import lock_ids_of
+
+if TYPE_CHECKING:
+    import datetime as dt
+
+    import psycopg
+
+    Connection = psycopg.Connection[Any]
+
+#: How often ``stop`` looks whether the run has let go of its lock.
+STOP_POLL = 0.2
+
+
+def who_asks() -> dict[str, object]:
+    """The operator behind a request: host, user name, pid."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no name for our uid (a container): the number will do
+        user = str(os.getuid())
+    return {"host": socket.gethostname(), "user": user, "pid": os.getpid()}
+
+
+def candidate_ids(label: str) -> list[int]:
+    """The lock ids a run of ``label`` may hold: the key's own, and its slots' (``--slots``)."""
+    lock_ids = lock_ids_of(label)
+    if "," not in label and not label.startswith(LOCK_ID_PREFIX):
+        lock_ids += [slot_lock_id(label, slot) for slot in range(MAX_SLOTS)]
+    return lock_ids
+
+
+def holder_of(conn: Connection, label: str) -> Holder | None:
+    """The run holding ``label`` now: its lease (lease mode) or its advisory lock (session)."""
+    lock_ids = candidate_ids(label)
+    try:
+        row = conn.execute(sql.STOP_LEASE_HOLDER, (lock_ids,)).fetchone()
+    except errors.UndefinedTable:
+        row = None
+    if row is not None:
+        owner, host, pid = row
+        return Holder(key=label, mode="lease", host=str(host), pid=int(str(pid)), run_id=owner)
+    found = conn.execute(sql.SESSION_HOLDER_OF_ANY, {"lock_ids": lock_ids}).fetchone()
+    if found is not None:
+        return dataclasses.replace(session_holder(label, found[1:]), mode="session")
+    return None
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What ``stop`` saw: whether the run ended, how, and whether its lock was taken."""
+
+    ended: bool
+    outcome: str | None = None
+    exit_code: int | None = None
+    took_lock: bool = False
+
+
+def request_stop(conn: Connection, label: str, holder: Holder, reason: str | None) -> None:
+    """Write the stop request for ``holder``'s run (its heartbeat reads it)."""
+    ensure_schema(conn)
+    conn.execute(
+        sql.STOP_REQUEST,
+        {"run_id": holder.run_id, "key": label, "reason": reason, **who_asks()},
+    )
+    conn.execute(sql.STOP_REQUESTS_PRUNE)
+
+
+def wait_for_end(
+    conn: Connection, label: str, holder: Holder, wait: float, *, force: bool
+) -> StopResult:
+    """Poll until ``holder`` no longer holds ``label``'s lock, or ``wait`` runs out.
+
+    With ``force``, a run still holding its lock then has it taken away: its backend
+    terminated (session mode) or its lease deleted (lease mode).
+    """
+    params = {
+        "run_id": holder.run_id,
+        "backend_pid": holder.backend_pid or 0,
+        "lock_ids": candidate_ids(label),
+    }
+    deadline = time.monotonic() + wait
+    while True:
+        row = conn.execute(
+            sql.STOP_STILL_LEASED if holder.mode == "lease" else sql.STOP_STILL_LOCKED, params
+        ).fetchone()
+        if not (row and row[0]):
+            outcome = conn.execute(sql.STOP_OUTCOME, (holder.run_id,)).fetchone()
+            if outcome is None:
+                return StopResult(ended=True)
+            return StopResult(ended=True, outcome=str(outcome[0]), exit_code=outcome[1])
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(STOP_POLL)
+    if not force:
+        return StopResult(ended=False)
+    take_away(conn, holder)
+    return StopResult(ended=False, took_lock=True)
+
+
+def take_away(conn: Connection, holder: Holder) -> None:
+    """Take the lock from a run: terminate its lock session, or delete its lease."""
+    if holder.mode == "lease":
+        conn.execute(sql.STOP_DELETE_LEASE, (holder.run_id,))
+    elif holder.backend_pid is not None:
+        conn.execute(sql.STOP_TERMINATE, (holder.backend_pid,))
+
+
+def pause(
+    conn: Connection,
+    label: str,
+    *,
+    seconds: float | None,
+    until: dt.datetime | None,
+    reason: str | None,
+) -> tuple[str | None, str | None]:
+    """Pause ``label`` (for ``seconds``, until ``until``, or until resumed): (since, until)."""
+    ensure_schema(conn)
+    params = {"key": label, "reason": reason, "for": seconds, "until": until, **who_asks()}
+    row = conn.execute(sql.PAUSE if until is None else sql.PAUSE_UNTIL, params).fetchone()
+    return (iso(row[0]), iso(row[1])) if row else (None, None)
+
+
+def resume(conn: Connection, label: str) -> bool:
+    """End the pause of ``label``; False if it was not paused."""
+    try:
+        row = conn.execute(sql.RESUME, (label,)).fetchone()
+    except errors.UndefinedTable:
+        return False
+    return row is not None

@@ -1,0 +1,133 @@
+"""``--slots N``: the first free of N locks of one key, so at most N runs of it at once."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from jobrun.keys import Key, lock_id_for
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import psycopg
+
+    from jobrun.locks import Holder, Lock
+
+#: The most slots a key may have (``status`` looks up this many lock ids per key).
+MAX_SLOTS = 256
+#: Longest pause between two rounds over the slots while ``--wait`` lasts.
+_WAIT_POLL = 1.0
+
+
+def slot_lock_id(name: str, slot: int) -> int:
+    """The lock id of slot ``slot`` (0-based) of key ``name``.
+
+    The lock id of the text ``name + "\\n" + "slot " + slot`` (as ``jobrun key`` derives any
+    lock id): no key name can contain a line feed, so no plain key ever shares a slot's id
+    (but for the 64-bit hash collisions any two names may have).
+    """
+    return lock_id_for(f"{name}\nslot {slot}")
+
+
+def slot_keys(key: Key, slots: int) -> list[Key]:
+    """Slot i of ``key`` (a named key): its lock id, under ``key``'s name (for logs, history)."""
+    name = str(key.name)
+    return [Key(slot_lock_id(name, i), name) for i in range(slots)]
+
+
+class SlotLock:
+    """A ``Lock`` over the first free of several locks, each tried in slot order.
+
+    Each slot is a lock of the run's mode (its own session or lease); once one is taken,
+    every call goes to it.
+    """
+
+    def __init__(self, locks: list[Lock], lock_ids: list[int]) -> None:
+        self._locks = locks
+        self._lock_ids = lock_ids
+        self._taken: Lock | None = None
+        #: The slot taken (0-based) and its lock id, once ``acquire`` succeeded.
+        self.slot: int | None = None
+        self.lock_id: int | None = None
+
+    @property
+    def _lock(self) -> Lock:
+        return self._taken if self._taken is not None else self._locks[0]
+
+    @property
+    def confirmation_lifetime(self) -> float:
+        """The taken slot's (before: the first slot's)."""
+        return self._lock.confirmation_lifetime
+
+    @confirmation_lifetime.setter
+    def confirmation_lifetime(self, value: float) -> None:
+        self._lock.confirmation_lifetime = value
+
+    @property
+    def confirmed_at(self) -> float:
+        """When the taken slot's acquisition was confirmed."""
+        return self._lock.confirmed_at
+
+    @confirmed_at.setter
+    def confirmed_at(self, value: float) -> None:
+        self._lock.confirmed_at = value
+
+    @property
+    def stop_request(self) -> dict[str, object] | None:
+        """A ``jobrun stop`` request the taken slot's heartbeat read."""
+        return self._lock.stop_request
+
+    @stop_request.setter
+    def stop_request(self, value: dict[str, object] | None) -> None:
+        self._lock.stop_request = value
+
+    @property
+    def comment(self) -> str:
+        """The taken session lock's SQL comment (session mode: the history shares it)."""
+        return str(getattr(self._lock, "comment", ""))
+
+    def acquire(self, wait: float) -> Holder | None:
+        """Take the first free slot, trying all of them until ``wait`` runs out."""
+        deadline = time.monotonic() + wait
+        while True:
+            holder = None
+            for slot, lock in enumerate(self._locks):
+                found = lock.acquire(0.0)
+                if found is None:
+                    self._taken, self.slot = lock, slot
+                    self.lock_id = self._lock_ids[slot]
+                    return None
+                holder = holder or found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return holder
+            time.sleep(min(_WAIT_POLL, remaining))
+
+    def check(self) -> None:
+        """Check (or renew) the taken slot."""
+        self._lock.check()
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """Wait as the taken slot's lock does."""
+        self._lock.pause(seconds, stop_fd)
+
+    def interrupt(self) -> None:
+        """Cut the taken slot's check short."""
+        self._lock.interrupt()
+
+    def release(self) -> None:
+        """Release the taken slot (no other was kept)."""
+        if self._taken is not None:
+            self._taken.release()
+
+    def known_lost(self) -> str | None:
+        """Whether the taken slot is known to be lost."""
+        return self._lock.known_lost()
+
+    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        """The taken session lock's connection, for the history (session mode)."""
+        connection: Callable[[], psycopg.Connection[tuple[object, ...]] | None] | None = getattr(
+            self._lock, "connection", None
+        )
+        return connection() if connection is not None else None
