@@ -42,8 +42,10 @@ TABLE: tuple[tuple[str, str], ...] = (
     (
         str(Exit.UNAVAILABLE.value),
         (
-            "lock store unavailable or unfit (unreachable, refused, transaction pooler "
-            "in session mode): the child was not started"
+            "lock store unavailable or unfit: the child was not started; `reason` says "
+            "`unreachable` (nobody answered in `--connect-timeout`), `refused` (auth, role, "
+            "database, still full after retrying), `standby`, `transaction_pooler`, "
+            "`history_unavailable` (`--once-per`)"
         ),
     ),
     (str(Exit.INTERNAL.value), "internal error in jobrun (a bug: please report it)"),
@@ -58,7 +60,13 @@ TABLE: tuple[tuple[str, str], ...] = (
     (str(Exit.TIMED_OUT.value), "`--timeout` ran out; the child was stopped"),
     (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
     (str(Exit.NOT_FOUND.value), "the command was not found"),
-    (str(Exit.USAGE.value), "usage error: bad flag, key, duration or missing command"),
+    (
+        str(Exit.USAGE.value),
+        (
+            "usage error: bad flag, key, duration, missing command, or a connection string "
+            "libpq rejects (`port=abc`; a raw `@` in a URI password: write `%40`)"
+        ),
+    ),
     (str(Exit.DATA_ERROR.value), "`jobrun deadlocks`: a file that is not a PostgreSQL server log"),
     (str(Exit.NO_INPUT.value), "`jobrun deadlocks`: a log file is missing or unreadable"),
     (
