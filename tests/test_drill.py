@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -20,10 +19,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobrun import background, db, drill, keys
 from jobrun.exitcodes import LockStoreUnavailable
 from support import jobrun_cli
-from support.pgserver import create_database, drop_database
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
     from pathlib import Path
 
 
@@ -124,14 +121,9 @@ class _SlowCloseProxy:
 
 
 @pytest.fixture
-def other_database(pg_admin_dsn: str) -> Iterator[str]:
+def other_database(fresh_dsn: str) -> str:
     """A DSN for a second database of this test's own."""
-    name = f"jobrun_other_{uuid.uuid4().hex[:12]}"
-    create_database(pg_admin_dsn, name)
-    try:
-        yield make_conninfo(pg_admin_dsn, dbname=name)
-    finally:
-        drop_database(pg_admin_dsn, name)
+    return fresh_dsn
 
 
 class TestDrill:
