@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -63,13 +64,23 @@ def run(dsn: str, say: Callable[[str], None], *, connect_timeout: float = 3.0) -
         # The DSN goes through the environment: a password must not show up in ps.
         env = {**os.environ, "JOBRUN_DSN": target}
         env_args = [sys.executable, "-m", "jobrun", "--key", key, "--log-format", "console"]
-        say(f"\n1) jobrun --key {key} -- sleep 3   (takes the lock, runs for 3 seconds)")
-        first = subprocess.Popen([*env_args, "--", "sleep", "3"], env=env)
-        _wait_until_held(target, key, first)
-        say(f"\n2) jobrun --key {key} -- echo never   (same key while the first runs)")
-        second = subprocess.run([*env_args, "--", "echo", "never"], env=env, check=False)
-        say(f"   -> exit {second.returncode} (75 = skipped: the lock is held)")
-        first_status = first.wait()
+        with tempfile.TemporaryDirectory(prefix="jobrun-demo-") as scratch:
+            # The first job runs until the second has tried (not for a fixed time): on a
+            # slow machine a second jobrun may take seconds just to start.
+            done = os.path.join(scratch, "second-done")  # noqa: PTH118 - a plain path for sh
+            wait = 'i=0; while [ ! -e "$1" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done'
+            job = ["sh", "-c", wait, "first-job", done]  # at most 2 minutes, whatever happens
+            say(f"\n1) jobrun --key {key} -- <a job>   (takes the lock, runs until step 2 is done)")
+            first = subprocess.Popen([*env_args, "--", *job], env=env)
+            _wait_until_held(target, key, first)
+            say(f"\n2) jobrun --key {key} -- echo never   (same key while the first runs)")
+            try:
+                second = subprocess.run([*env_args, "--", "echo", "never"], env=env, check=False)
+            finally:
+                with open(done, "w"):  # noqa: PTH123 - just a mark
+                    pass
+            say(f"   -> exit {second.returncode} (75 = skipped: the lock is held)")
+            first_status = first.wait()
         say(f"\n   first run -> exit {first_status}")
         say(f"\n3) jobrun --key {key} -- echo hello   (after the first finished)")
         third = subprocess.run([*env_args, "--", "echo", "hello"], env=env, check=False)
