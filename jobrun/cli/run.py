@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple
 
 import click
 from click.core import ParameterSource
 
 from jobrun import __version__, keys
-from jobrun.cli import options
+from jobrun.cli import options, wiring
 from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from structlog.typing import FilteringBoundLogger
-
-    from jobrun import db
-    from jobrun.history.calls import SharedSession
-    from jobrun.history.notify import NoHistory
-    from jobrun.history.recorder import Recorder
-    from jobrun.locks import Identity, Lock
-
-STDERR = 2
 #: Variables of the run's keys, and the option each stands for.
 KEY_VARIABLES = {"key_names": "JOBRUN_KEY", "lock_ids": "JOBRUN_LOCK_ID"}
 
@@ -359,7 +346,7 @@ def cli(
         log_file=log_file,
         log_level=log_level,
     )
-    return _run(argv, settings)
+    return wiring.run(argv, settings)
 
 
 def _keys(
@@ -384,215 +371,3 @@ def _keys(
             except UsageError as exc:
                 raise UsageError(f"{KEY_VARIABLES[name]}: {exc}") from None
     return keys.resolve(given["key_names"], given["lock_ids"])
-
-
-def _run(argv: tuple[str, ...], settings: Settings) -> int:
-    """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import log, operators, runner
-    from jobrun.locks import Identity, new_run_id
-
-    extras = operators.validate(
-        ping=settings.ping,
-        ping_timeout=settings.ping_timeout,
-        keep_output=settings.keep_output,
-        fence=settings.fence,
-        on_db_error=settings.on_db_error,
-        no_history=settings.no_history,
-    )
-
-    run_keys = settings.run_keys
-    target = options.target(settings.dsn, settings.connect_timeout, warn=False)
-    fd, log_file_error = None, None
-    if settings.log_file:
-        # A log file that cannot be opened never costs the job its run: stderr instead.
-        try:
-            fd = log.open_log_file(settings.log_file)
-        except UsageError as exc:
-            log_file_error = str(exc)
-    logger = log.configure(
-        fmt=settings.log_format,
-        level=settings.log_level,
-        fd=fd,
-        secrets=target.secrets,  # the DSN's password and PGPASSWORD
-        # A log file that cannot be written (disk full): the lines go to stderr instead.
-        fallback_fd=STDERR if fd is not None else None,
-    )
-    identity = Identity(run_id=new_run_id(), pid=os.getpid())
-    bound = logger.bind(
-        key=keys.describe(run_keys),
-        lock_id=run_keys[0].lock_id if len(run_keys) == 1 else [k.lock_id for k in run_keys],
-        run_id=identity.run_id,
-        host=identity.host,
-        pid=identity.pid,
-        mode=settings.mode,
-        version=__version__,
-    )
-    job = runner.Job(
-        argv=argv,
-        keys=run_keys,
-        wait=settings.wait,
-        timeout=settings.timeout,
-        kill_after=settings.kill_after,
-        skip_exit_code=settings.skip_exit_code,
-        on_db_error=settings.on_db_error,
-        on_lock_lost=settings.on_lock_lost,
-        heartbeat=settings.heartbeat,
-        min_hold=settings.min_hold,
-        once_per=settings.once_per,
-    )
-    lock: Lock
-    if settings.slots > 1:
-        from jobrun import slots
-
-        slot_keys = slots.slot_keys(run_keys[0], settings.slots)
-        lock = slots.SlotLock(
-            [_lock(settings, (key,), target, identity, bound) for key in slot_keys],
-            [key.lock_id for key in slot_keys],
-        )
-    else:
-        lock = _lock(settings, run_keys, target, identity, bound)
-    recorder = _recorder(settings, target, identity, program=argv[0], log=bound, lock=lock)
-    if log_file_error is not None:
-        bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
-    # Only now that every option is known to be valid: a usage error is one line, alone.
-    if settings.dsn_on_command_line and target.has_password:
-        bound.warning(
-            "password_on_command_line",
-            hint="a password in --dsn is visible to every user in ps; "
-            "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
-        )
-    wired = operators.Extras(
-        extras, target=target, lock=lock, identity=identity, recorder=recorder, log=bound
-    )
-    status = runner.run(
-        job,
-        lock=lock,
-        identity=identity,
-        environ=os.environ,
-        log=bound,
-        recorder=recorder,
-        pinger=wired.pinger,
-        capture=wired.capture,
-        fencer=wired.fencer,
-    )
-    wired.after(status)  # the output tail and the end ping, after the release
-    return status
-
-
-def _lock(
-    settings: Settings,
-    run_keys: tuple[keys.Key, ...],
-    target: db.Target,
-    identity: Identity,
-    log: FilteringBoundLogger,
-) -> Lock:
-    """The lock of the run's mode on ``run_keys``."""
-    if settings.mode == "lease":
-        from jobrun.locks import lease
-
-        return lease.LeaseLock(
-            run_keys, target, identity, log, ttl=settings.ttl, lifetime=settings.lifetime
-        )
-    from jobrun.locks import session
-
-    return session.SessionLock(
-        run_keys,
-        target,
-        identity,
-        log,
-        heartbeat=settings.heartbeat,
-        kill_after=settings.kill_after,
-    )
-
-
-def _recorder(
-    settings: Settings,
-    target: db.Target,
-    identity: Identity,
-    *,
-    program: str,
-    log: FilteringBoundLogger,
-    lock: Lock,
-) -> Recorder | NoHistory:
-    """The run's history recorder (a null one with --no-history, which still writes metrics).
-
-    Session mode: the history goes over the lock session (one server session per run).
-    """
-    from pathlib import Path
-
-    from jobrun import alerts
-    from jobrun.history import notify, recorder
-    from jobrun.history.config import HistoryConfig
-
-    config = HistoryConfig(
-        keep=settings.keep,
-        alert_after=settings.alert_after,
-        alert_repeat=settings.alert_repeat,
-        on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
-        metrics_file=settings.metrics_file,
-        expect_every=settings.expect_every,
-        expect_grace=settings.expect_grace,
-        # WARNING: a history call holds the lock session (and so the heartbeat) up: its
-        # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
-        # in lease mode it must never outlast half of what a renewal vouches for.
-        timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
-    )
-    if settings.no_history:
-        notifier = notify.Notifier(
-            keys.describe(settings.run_keys),
-            [key.lock_id for key in settings.run_keys],
-            identity,
-            mode=settings.mode,
-            config=config,
-            log=log,
-        )
-        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
-    return recorder.Recorder(
-        target,
-        identity,
-        settings.run_keys,
-        mode=settings.mode,
-        program=Path(program).name,
-        config=config,
-        log=log,
-        environ=os.environ,
-        shared=_shared(settings, lock),
-    )
-
-
-def _pause_check(
-    settings: Settings, target: db.Target, lock: Lock, log: FilteringBoundLogger
-) -> Callable[[], dict[str, object] | None]:
-    """Without history, the pause check: a statement of its own, after the lock is taken.
-
-    Session mode: one more round trip on the lock session; lease mode: one more connection.
-    """
-    from jobrun import sql
-    from jobrun.history import calls, recorder
-
-    checker = calls.Calls(
-        target,
-        app_name="jobrun-pause-check",
-        timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
-        log=log,
-        shared=_shared(settings, lock),
-        # --no-history: no pause table, no pause; never create the schema for it.
-        create_schema=False,
-    )
-
-    def check() -> dict[str, object] | None:
-        found = checker.run(
-            "checking for a pause",
-            (sql.PAUSES_IN_FORCE,),
-            {"pause_keys": recorder.pause_keys(settings.run_keys)},
-        )
-        return recorder.pause_fields(found[0][0]) if found and found[0] else None
-
-    return check
-
-
-def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
-    """Session mode: the lock session, lent to the history (the run's one server session)."""
-    if settings.mode != "session":
-        return None
-    return cast("SharedSession", lock)

@@ -1,0 +1,164 @@
+"""Statements of operators in control: stop requests, pauses, expectations."""
+
+from __future__ import annotations
+
+#: ``jobrun stop`` writes a row for the run it stops, by run id (a request never reaches the
+#: next run); that run's heartbeat reads it. ``jobrun pause`` writes one row per key label.
+#: ``--expect-every`` keeps one row per key label: how often a successful run is expected.
+#: Created with the run history (RUNS_SCHEMA), or by ``stop``/``pause`` themselves.
+CONTROL_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE TABLE IF NOT EXISTS jobrun.stop_requests (
+    run_id       uuid PRIMARY KEY,
+    key          text NOT NULL,
+    requested_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    host         text NOT NULL,
+    username     text NOT NULL,
+    pid          integer NOT NULL,
+    reason       text
+);
+CREATE TABLE IF NOT EXISTS jobrun.pauses (
+    key       text PRIMARY KEY,
+    paused_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    until     timestamptz,
+    host      text NOT NULL,
+    username  text NOT NULL,
+    pid       integer NOT NULL,
+    reason    text
+);
+CREATE TABLE IF NOT EXISTS jobrun.expectations (
+    key        text PRIMARY KEY,
+    every      double precision NOT NULL,
+    grace      double precision NOT NULL,
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+#: The lock session's heartbeat (HELD_BY_US) and a stop request for this run, in one statement.
+HELD_BY_US_OR_STOP = """
+SELECT (SELECT count(*) FROM pg_locks
+        WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()
+          AND ((classid::int8 << 32) | objid::int8) = ANY(%s)),
+       (SELECT row_to_json(s)::text FROM (
+            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
+            WHERE run_id = %s::uuid) AS s)
+"""
+
+#: Lease mode's renewal (LEASE_RENEW) and a stop request for this run, in one statement.
+LEASE_RENEW_OR_STOP = """
+WITH renewed AS (
+    UPDATE jobrun.leases
+    SET renewed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
+    WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s
+      AND expires_at > clock_timestamp()
+    RETURNING lock_id
+)
+SELECT (SELECT count(*) FROM renewed),
+       (SELECT row_to_json(s)::text FROM (
+            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
+            WHERE run_id = %(owner)s::uuid) AS s)
+"""
+
+#: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
+STOP_REQUEST = """
+INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid, reason)
+VALUES (%(run_id)s, %(key)s, %(host)s, %(user)s, %(pid)s, %(reason)s)
+ON CONFLICT (run_id) DO NOTHING
+"""
+
+#: Stop requests whose run has ended (no lease or session of it can still read them).
+STOP_REQUESTS_PRUNE = """
+DELETE FROM jobrun.stop_requests WHERE requested_at < clock_timestamp() - interval '1 day'
+"""
+
+#: ``jobrun stop``: the lease-mode holder of a key (owner = run id).
+STOP_LEASE_HOLDER = """
+SELECT owner::text, host, pid FROM jobrun.leases
+WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
+ORDER BY lock_id LIMIT 1
+"""
+
+#: Whether the run still holds its lock: its lease (lease mode), or its lock session's
+#: advisory lock (session mode: the backend that held it when the stop was asked).
+STOP_STILL_LEASED = """
+SELECT EXISTS (SELECT 1 FROM jobrun.leases WHERE owner = %(run_id)s::uuid
+               AND expires_at > clock_timestamp())
+"""
+STOP_STILL_LOCKED = """
+SELECT EXISTS (SELECT 1 FROM pg_locks
+               WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                 AND pid = %(backend_pid)s
+                 AND ((classid::int8 << 32) | objid::int8) = ANY(%(lock_ids)s::int8[]))
+"""
+
+#: ``jobrun stop --force``: take the lock away from a run that did not end.
+STOP_TERMINATE = "SELECT pg_terminate_backend(%s)"
+STOP_DELETE_LEASE = "DELETE FROM jobrun.leases WHERE owner = %s::uuid"
+
+#: How the stopped run ended, from the history (None: no history row).
+STOP_OUTCOME = "SELECT outcome, exit_code FROM jobrun.runs WHERE run_id = %s::uuid"
+
+#: ``jobrun pause``: (re)place the pause of a key.
+PAUSE = """
+INSERT INTO jobrun.pauses (key, until, host, username, pid, reason)
+VALUES (%(key)s, clock_timestamp() + make_interval(secs => %(for)s::float8), %(host)s,
+        %(user)s, %(pid)s, %(reason)s)
+ON CONFLICT (key) DO UPDATE
+    SET paused_at = clock_timestamp(), until = excluded.until, host = excluded.host,
+        username = excluded.username, pid = excluded.pid, reason = excluded.reason
+RETURNING paused_at, until
+"""
+PAUSE_UNTIL = """
+INSERT INTO jobrun.pauses (key, until, host, username, pid, reason)
+VALUES (%(key)s, %(until)s::timestamptz, %(host)s, %(user)s, %(pid)s, %(reason)s)
+ON CONFLICT (key) DO UPDATE
+    SET paused_at = clock_timestamp(), until = excluded.until, host = excluded.host,
+        username = excluded.username, pid = excluded.pid, reason = excluded.reason
+RETURNING paused_at, until
+"""
+
+#: ``jobrun resume``: end the pause of a key (the row it deleted, if any).
+RESUME = "DELETE FROM jobrun.pauses WHERE key = %s RETURNING paused_at, until"
+
+#: The pauses in force for these keys (a history message's part, or a statement of its own).
+PAUSES_IN_FORCE = """
+SELECT key, paused_at, until, host, username, pid, reason FROM jobrun.pauses
+WHERE key = ANY(%(pause_keys)s::text[])
+  AND (until IS NULL OR until > clock_timestamp())
+ORDER BY key LIMIT 1
+"""
+
+#: ``--expect-every``: how often this key is expected to succeed (NULL every: no change).
+EXPECTATION = """
+INSERT INTO jobrun.expectations (key, every, grace)
+SELECT %(key)s, %(expect_every)s, %(expect_grace)s WHERE %(expect_every)s::float8 IS NOT NULL
+ON CONFLICT (key) DO UPDATE
+    SET every = excluded.every, grace = excluded.grace, updated_at = clock_timestamp()
+"""
+
+#: ``status``: every pause in force and every expectation (of the keys asked for, or all).
+STATUS_PAUSES = """
+SELECT key, paused_at, until, host, username, pid, reason FROM jobrun.pauses
+WHERE (until IS NULL OR until > clock_timestamp()) AND (%(all)s OR key = ANY(%(keys)s::text[]))
+"""
+STATUS_EXPECTATIONS = """
+SELECT e.key, e.every, e.grace,
+       (SELECT max(x.started_at) FROM jobrun.runs AS x
+        WHERE x.key = e.key AND x.outcome = 'succeeded') AS last_success_started_at,
+       (SELECT max(x.started_at) FROM jobrun.runs AS x
+        WHERE x.key = e.key AND x.outcome = 'succeeded')
+           < clock_timestamp() - make_interval(secs => e.every + e.grace)
+       OR NOT EXISTS (SELECT 1 FROM jobrun.runs AS x
+                      WHERE x.key = e.key AND x.outcome = 'succeeded')
+          AND e.updated_at < clock_timestamp() - make_interval(secs => e.every + e.grace)
+           AS overdue
+FROM jobrun.expectations AS e
+WHERE %(all)s OR e.key = ANY(%(keys)s::text[])
+"""
+
+#: ``status``: runs still going, with how long they have run (for "stuck").
+STATUS_RUNNING = """
+SELECT key, run_id, extract(epoch FROM clock_timestamp() - started_at)::float8 AS running_for
+FROM jobrun.runs WHERE outcome = 'running' AND (%(all)s OR key = ANY(%(keys)s::text[]))
+"""

@@ -1,0 +1,82 @@
+"""Statements jobrun doctor inspects the server with."""
+
+from __future__ import annotations
+
+DOCTOR_SERVER = """
+SELECT current_setting('server_version'), current_setting('server_version_num'),
+       pg_is_in_recovery()
+"""
+
+DOCTOR_ROLE = """
+SELECT current_user, r.rolsuper,
+       pg_has_role(current_user, 'pg_signal_backend', 'MEMBER'),
+       pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER')
+FROM pg_roles AS r WHERE r.rolname = current_user
+"""
+
+#: Whether the jobrun schema exists, and what this role may do about it.
+DOCTOR_SCHEMA = """
+SELECT n.oid IS NOT NULL,
+       has_database_privilege(current_database(), 'CREATE'),
+       CASE WHEN n.oid IS NOT NULL THEN has_schema_privilege(n.oid, 'USAGE') END,
+       CASE WHEN n.oid IS NOT NULL THEN has_schema_privilege(n.oid, 'CREATE') END
+FROM (SELECT 1) AS one LEFT JOIN pg_namespace AS n ON n.nspname = 'jobrun'
+"""
+
+#: One jobrun table: does it exist, and which of SELECT/INSERT/UPDATE/DELETE may we use.
+DOCTOR_TABLE = """
+SELECT c.oid IS NOT NULL,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'SELECT') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'INSERT') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'UPDATE') END,
+       CASE WHEN c.oid IS NOT NULL THEN has_table_privilege(c.oid, 'DELETE') END
+FROM (SELECT 1) AS one
+LEFT JOIN (pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace)
+    ON n.nspname = 'jobrun' AND c.relname = %(table)s AND c.relkind IN ('r', 'p')
+"""
+
+#: Settings as a fresh session sees them (server file, ALTER DATABASE / ROLE ... SET).
+DOCTOR_SETTINGS = """
+SELECT name, setting, unit, current_setting(name) FROM pg_settings WHERE name = ANY(%(names)s)
+"""
+
+#: Whether we came over TCP (server-side keepalives apply) or a Unix-domain socket.
+DOCTOR_OVER_TCP = "SELECT inet_server_addr() IS NOT NULL"
+
+DOCTOR_CONNECTIONS = """
+SELECT current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int,
+       coalesce(current_setting('reserved_connections', true), '0')::int,
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')
+"""
+
+DOCTOR_LOCK_CAPACITY = """
+SELECT current_setting('max_locks_per_transaction')::int8
+       * (current_setting('max_connections')::int8
+          + current_setting('max_prepared_transactions')::int8)
+"""
+
+#: Advisory locks held now: in the whole cluster (they share the lock table), in this
+#: database, and in this database by jobrun's lock sessions.
+DOCTOR_ADVISORY = """
+SELECT count(*),
+       count(*) FILTER (WHERE l.database = d.oid),
+       count(*) FILTER (WHERE l.database = d.oid AND a.application_name LIKE 'jobrun:%')
+FROM pg_locks AS l
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+CROSS JOIN (SELECT oid FROM pg_database WHERE datname = current_database()) AS d
+WHERE l.locktype = 'advisory' AND l.granted
+"""
+
+#: The doctor's own session must not be cut short by the role's statement_timeout: it reads
+#: the role's value from pg_settings.reset_val (the value a new session starts with) instead.
+#: SHOW and SET touch no catalog, so they finish even under a 1 ms timeout on a busy server.
+DOCTOR_STATEMENT_TIMEOUT = "SHOW statement_timeout"
+DOCTOR_IMMUNE = "SET statement_timeout = 0"
+DOCTOR_IMMUNE_END = "RESET statement_timeout"
+
+#: Settings as every new session of this role starts with them (server file, ALTER
+#: DATABASE / ROLE ... SET), even after this session changed them for itself.
+DOCTOR_SESSION_DEFAULTS = """
+SELECT name, reset_val, unit FROM pg_settings WHERE name = ANY(%(names)s)
+"""

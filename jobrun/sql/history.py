@@ -1,0 +1,309 @@
+"""Statements of the run history, its fencing tokens and its kept output."""
+
+from __future__ import annotations
+
+from jobrun.sql.control import CONTROL_SCHEMA, PAUSES_IN_FORCE
+
+# Each history call is ONE message of the statements below, joined by ";" and bound on the
+# client: the server runs it as one implicit transaction (the settings made local by
+# RUNS_TIMEOUTS end with it). Literal percent signs must be doubled (client-side binding).
+
+#: The run history, created (and brought up to date) under the schema's transaction lock.
+#: ``streak`` is what the row extends: a skip, this host's skips in a row by the same holder;
+#: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
+#: ``alerted_at``: when the streak this row extends last alerted, carried from row to row (so
+#: pruning never loses it) and agreed on by every host of a fleet: when the next reminder is
+#: due, and which streaks still owe a ``recovered``. ``deadlocks``: deadlocks in the job's
+#: database while the run ran (pg_stat_database at its start and at its end).
+RUNS_SCHEMA = (
+    """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE TABLE IF NOT EXISTS jobrun.runs (
+    run_id       uuid PRIMARY KEY,
+    key          text NOT NULL,
+    lock_ids     bigint[] NOT NULL,
+    mode         text NOT NULL,
+    host         text NOT NULL,
+    pid          integer NOT NULL,
+    child_pid    integer,
+    program      text,
+    started_at   timestamptz NOT NULL,
+    finished_at  timestamptz,
+    outcome      text NOT NULL,
+    reason       text,
+    exit_code    integer,
+    signal       text,
+    duration     double precision,
+    streak       integer NOT NULL DEFAULT 0,
+    streak_since timestamptz,
+    holder_ref   text,
+    holder       jsonb,
+    alerted_at   timestamptz,
+    deadlocks    bigint
+);
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
+                        ADD COLUMN IF NOT EXISTS deadlocks bigint;
+CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
+CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
+    WHERE outcome = 'running'
+;
+"""
+    + CONTROL_SCHEMA
+)
+
+#: Serializes the schema's creation (transaction-scoped: released with the message).
+RUNS_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(%(schema_lock)s)"
+
+#: Every history message starts with this: a history statement never holds a job (or the
+#: heartbeat sharing its session) up for longer than its share of the call's timeout.
+RUNS_TIMEOUTS = """
+SELECT set_config('statement_timeout', %(ms)s, true), set_config('lock_timeout', %(ms)s, true)
+"""
+
+#: Runs still marked running on any of our lock ids are dead: we hold those locks now.
+RUNS_ABANDON = """
+UPDATE jobrun.runs SET outcome = 'abandoned', finished_at = clock_timestamp()
+WHERE outcome = 'running' AND lock_ids && %(lock_ids)s::int8[] AND run_id <> %(run_id)s
+RETURNING run_id, key, host, pid, started_at
+"""
+
+#: The run of this key that makes ours redundant under ``--once-per`` (window NULL: none): it
+#: started in the current window, aligned to the Unix epoch on the database's clock, and is
+#: running or succeeded.
+_EARLIER = """
+SELECT run_id, host, pid, started_at, outcome, w.start AS window_start
+FROM jobrun.runs,
+     (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
+                                / %(window)s::float8) * %(window)s::float8) AS start) AS w
+WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
+  AND started_at >= w.start
+ORDER BY started_at DESC
+LIMIT 1
+"""
+RUNS_ALREADY_RAN = _EARLIER
+
+#: Our ``running`` row, unless an earlier run makes us redundant or the key is paused; with
+#: the database's count of deadlocks so far, so that the end of the run can say how many
+#: happened during it.
+#: (Composed of constants only: no input is ever formatted into SQL.)
+RUNS_ACQUIRED = f"""
+INSERT INTO jobrun.runs
+    (run_id, key, lock_ids, mode, host, pid, program, started_at, outcome)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
+       clock_timestamp(), 'running'
+WHERE NOT EXISTS ({_EARLIER}) AND NOT EXISTS ({PAUSES_IN_FORCE})
+ON CONFLICT (run_id) DO NOTHING
+RETURNING started_at,
+          (SELECT deadlocks FROM pg_stat_database WHERE datname = current_database())
+              AS deadlocks
+"""  # noqa: S608 - constants only
+
+#: The skip streaks of this key that alerted end now (a run got the lock): claimed by exactly
+#: one run, which reports each one's length and start once (``recovered``).
+RUNS_SKIPS_RECOVERED = """
+WITH claimed AS (
+    UPDATE jobrun.runs SET alerted_at = NULL
+    WHERE key = %(key)s AND outcome = 'skipped' AND alerted_at IS NOT NULL
+    RETURNING holder_ref
+)
+SELECT max(r.streak) AS count, min(r.streak_since) AS since, clock_timestamp() AS ended
+FROM jobrun.runs AS r
+WHERE r.key = %(key)s AND r.outcome = 'skipped' AND r.holder_ref IN (SELECT holder_ref FROM claimed)
+GROUP BY r.holder_ref
+"""
+
+#: Record how a run ended (inserting the row if its start was never recorded), with the
+#: failure streak it extends and whether that streak alerts now: at ``alert_after`` failures
+#: in a row, then again once ``repeat`` seconds have passed since its last alert. A success
+#: after a streak that alerted reports that streak (``recovered_*``).
+RUNS_FINISH = """
+WITH previous AS (
+    SELECT outcome, streak, streak_since, alerted_at FROM jobrun.runs
+    WHERE key = %(key)s AND run_id <> %(run_id)s
+      AND outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost', 'exec_failed')
+    ORDER BY finished_at DESC
+    LIMIT 1
+), chain AS (
+    SELECT p.outcome IN ('failed', 'timed_out', 'lock_lost', 'exec_failed') AS failing, p.*
+    FROM (SELECT 1) AS one LEFT JOIN previous AS p ON true
+), s AS (
+    SELECT CASE WHEN NOT %(failed)s THEN 0
+                WHEN coalesce(c.failing, false) THEN c.streak + 1 ELSE 1 END AS streak,
+           CASE WHEN %(failed)s AND coalesce(c.failing, false) THEN c.streak_since END AS since,
+           CASE WHEN %(failed)s AND coalesce(c.failing, false) THEN c.alerted_at END AS last_alert,
+           CASE WHEN NOT %(failed)s AND coalesce(c.failing, false) AND c.alerted_at IS NOT NULL
+                THEN c.streak END AS recovered_count,
+           c.streak_since AS recovered_since,
+           coalesce(%(started_at)s::timestamptz,
+                    clock_timestamp() - make_interval(secs => %(duration)s)) AS at
+    FROM chain AS c
+), d AS (
+    SELECT s.*,
+           %(alert_after)s > 0 AND s.streak >= %(alert_after)s
+           AND (s.last_alert IS NULL
+                OR s.last_alert <= clock_timestamp() - make_interval(secs => %(repeat)s))
+               AS alert
+    FROM s
+)
+INSERT INTO jobrun.runs AS r
+    (run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at,
+     outcome, exit_code, signal, duration, streak, streak_since, alerted_at, deadlocks)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(child_pid)s,
+       %(program)s, d.at, clock_timestamp(), %(outcome)s, %(exit_code)s, %(signal)s,
+       %(duration)s, d.streak,
+       CASE WHEN d.streak > 0 THEN coalesce(d.since, d.at) END,
+       CASE WHEN d.alert THEN clock_timestamp() ELSE d.last_alert END,
+       (SELECT deadlocks FROM pg_stat_database WHERE datname = current_database())
+           - %(deadlocks_at_start)s
+FROM d
+ON CONFLICT (run_id) DO UPDATE
+    SET finished_at = excluded.finished_at, outcome = excluded.outcome,
+        child_pid = excluded.child_pid, exit_code = excluded.exit_code,
+        signal = excluded.signal, duration = excluded.duration, streak = excluded.streak,
+        streak_since = CASE WHEN excluded.streak > 0
+                            THEN coalesce((SELECT since FROM d), r.started_at) END,
+        alerted_at = excluded.alerted_at, deadlocks = excluded.deadlocks
+RETURNING streak, streak_since, finished_at, deadlocks,
+          (SELECT alert FROM d) AS alert,
+          (SELECT recovered_count FROM d) AS recovered_count,
+          (SELECT recovered_since FROM d) AS recovered_since
+"""
+
+#: Taken before RUNS_SKIP (its own statement, so RUNS_SKIP's snapshot comes after it): hosts
+#: skipping behind the same holder at the same moment take turns until their transactions
+#: end, so each reads the streaks the others wrote. Two int4 halves (objsubid 2): never one
+#: of the bigint lock ids jobs use, and never shown by ``jobrun status``. Without a holder
+#: (NULL) no lock is taken.
+RUNS_SKIP_SERIALIZE = """
+SELECT pg_advisory_xact_lock(hashtext('jobrun.skip'),
+                             hashtext(%(key)s::text || ':' || %(holder_ref)s::text))
+"""
+
+#: Record a skip. Behind a known holder it extends this host's chain of skips behind that
+#: holder; the chain alerts at ``alert_after``, then again once ``repeat`` seconds have passed
+#: since any host's last alert of it: one reminder per period for the whole fleet.
+RUNS_SKIP = """
+WITH chain AS (
+    SELECT max(streak) FILTER (WHERE host = %(host)s) AS mine,
+           min(streak_since) FILTER (WHERE host = %(host)s) AS since,
+           max(alerted_at) AS last_alert
+    FROM jobrun.runs
+    WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
+), d AS (
+    SELECT CASE WHEN %(locked)s THEN coalesce(c.mine, 0) + 1 ELSE 0 END AS streak, c.since,
+           c.last_alert,
+           %(locked)s AND %(alert_after)s > 0
+           AND coalesce(c.mine, 0) + 1 >= %(alert_after)s
+           AND (c.last_alert IS NULL
+                OR c.last_alert <= clock_timestamp() - make_interval(secs => %(repeat)s))
+               AS alert
+    FROM chain AS c
+)
+INSERT INTO jobrun.runs AS r
+    (run_id, key, lock_ids, mode, host, pid, program, started_at, finished_at, outcome, reason,
+     exit_code, duration, streak, streak_since, holder_ref, holder, alerted_at)
+SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
+       clock_timestamp(), clock_timestamp(), 'skipped', %(reason)s, %(exit_code)s,
+       %(duration)s, d.streak,
+       CASE WHEN d.streak > 0 THEN coalesce(d.since, clock_timestamp()) END,
+       %(holder_ref)s, %(holder)s,
+       CASE WHEN d.alert THEN clock_timestamp() ELSE d.last_alert END
+FROM d
+ON CONFLICT (run_id) DO UPDATE
+    SET finished_at = excluded.finished_at, outcome = excluded.outcome, reason = excluded.reason,
+        exit_code = excluded.exit_code, duration = excluded.duration, streak = excluded.streak,
+        streak_since = excluded.streak_since, holder_ref = excluded.holder_ref,
+        holder = excluded.holder, alerted_at = excluded.alerted_at
+RETURNING streak, streak_since, (SELECT alert FROM d) AS alert
+"""
+
+#: Keep the newest N finished runs and the newest N skips of a key, and each host's newest
+#: skip of it: that row carries the host's skip streak (RUNS_SKIP), which the skips of a fleet
+#: larger than N would otherwise push out. So at most N + hosts skips; running rows stay.
+#: SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks. A
+#: role that may not delete prunes nothing (and its history is still written).
+RUNS_PRUNE = """
+DELETE FROM jobrun.runs WHERE has_table_privilege('jobrun.runs', 'DELETE') AND run_id IN (
+    SELECT run_id FROM jobrun.runs
+    WHERE run_id IN (
+        SELECT ranked.run_id FROM (
+            SELECT run_id, outcome = 'skipped' AS skip,
+                   row_number() OVER (PARTITION BY outcome = 'skipped'
+                                      ORDER BY started_at DESC) AS n,
+                   row_number() OVER (PARTITION BY outcome = 'skipped', host
+                                      ORDER BY started_at DESC) AS of_host
+            FROM jobrun.runs
+            WHERE key = %(key)s AND outcome <> 'running'
+        ) AS ranked
+        WHERE ranked.n > %(keep)s AND NOT (ranked.skip AND ranked.of_host = 1)
+    )
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+#: ``jobrun history KEY``.
+RUNS_OF_KEY = """
+SELECT run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at,
+       outcome, reason, exit_code, signal, duration, streak, deadlocks, holder
+FROM jobrun.runs
+WHERE key = %(key)s
+ORDER BY started_at DESC
+LIMIT %(limit)s
+"""
+
+#: ``jobrun history KEY --overlapping OTHER``: every pair of a run of KEY and a run of OTHER
+#: whose windows intersected (a run still going counts until now), newest first; ``since``:
+#: only runs of KEY that started that many seconds ago or later. Skips never ran anything.
+RUNS_OVERLAPPING = """
+SELECT a.run_id, a.host, a.pid, a.started_at, a.finished_at, a.outcome, a.exit_code,
+       a.deadlocks,
+       b.run_id AS other_run_id, b.host AS other_host, b.pid AS other_pid,
+       b.started_at AS other_started_at, b.finished_at AS other_finished_at,
+       b.outcome AS other_outcome, b.exit_code AS other_exit_code,
+       b.deadlocks AS other_deadlocks,
+       extract(epoch FROM least(coalesce(a.finished_at, clock_timestamp()),
+                                coalesce(b.finished_at, clock_timestamp()))
+                          - greatest(a.started_at, b.started_at))::float8 AS overlap
+FROM jobrun.runs AS a
+JOIN jobrun.runs AS b
+  ON b.key = %(other)s AND b.outcome <> 'skipped'
+ AND b.started_at < coalesce(a.finished_at, clock_timestamp())
+ AND a.started_at < coalesce(b.finished_at, clock_timestamp())
+WHERE a.key = %(key)s AND a.outcome <> 'skipped'
+  AND (%(since)s::float8 IS NULL
+       OR a.started_at >= clock_timestamp() - make_interval(secs => %(since)s::float8))
+ORDER BY a.started_at DESC, b.started_at DESC
+LIMIT %(limit)s
+"""
+
+#: One sequence for every key: a token is greater than every token handed out before it,
+#: whichever key, host or lock mode took it. CACHE 1 (the default, spelled out): a session
+#: that cached values would hand out numbers smaller than ones another session already used.
+FENCE_SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS jobrun;
+CREATE SEQUENCE IF NOT EXISTS jobrun.fence AS bigint MINVALUE 1 NO CYCLE CACHE 1;
+"""
+
+FENCE_NEXT = "SELECT nextval('jobrun.fence')"
+
+#: The output tails of a run, in its history row (nullable: only runs that kept output).
+RUNS_TAIL_COLUMNS = """
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stdout_tail bytea;
+ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
+"""
+
+RUNS_STORE_TAIL = """
+UPDATE jobrun.runs SET stdout_tail = %(stdout)s, stderr_tail = %(stderr)s
+WHERE run_id = %(run_id)s
+"""
+
+RUNS_TAIL = """
+SELECT run_id, key, host, outcome, exit_code, started_at, stdout_tail, stderr_tail
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""
+
+#: The run without tails, in a history that never kept any (the columns do not exist yet).
+RUNS_TAIL_NONE = """
+SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
+FROM jobrun.runs WHERE run_id = %(run_id)s
+"""

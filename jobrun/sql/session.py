@@ -1,0 +1,77 @@
+"""Statements of jobrun's own sessions: pinned settings and session mode's advisory locks."""
+
+from __future__ import annotations
+
+BACKEND_PID = "SELECT pg_backend_pid()"
+
+#: Make the lock session immune to server-side idle timeouts (a role or database setting would
+#: otherwise end the session, and with it the lock, while the child runs). 14+ knows both.
+SESSION_IMMUNE_14 = (
+    "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0; "
+    "SET statement_timeout = 0; "
+    # A --wait for the next key blocks the backend in pg_advisory_lock: without this it
+    # would notice a killed jobrun only when the wait ends, holding the keys already taken.
+    "SET client_connection_check_interval = '1s'"
+)
+SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
+
+#: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
+#: them), so the server ends the session of a host that vanished (the OS default keeps a
+#: half-open connection, and the lock, for over 2 hours); and whether
+#: the server is a standby (its advisory locks are its own: shared with nobody else).
+SESSION_SETUP = """
+SELECT set_config('tcp_keepalives_idle', %s, false),
+       set_config('tcp_keepalives_interval', '2', false),
+       set_config('tcp_keepalives_count', '3', false),
+       pg_is_in_recovery()
+"""
+
+#: Session mode must also respect a lease-mode run of the same key: checked after the
+#: advisory locks are ours, so a lease written before that is seen (see LEASE_NO_SESSION_LOCK).
+SESSION_LEASED = """
+SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
+WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
+ORDER BY lock_id
+LIMIT 1
+"""
+
+TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
+LOCK = "SELECT pg_advisory_lock(%s)"
+UNLOCK = "SELECT pg_advisory_unlock(%s)"
+SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %s, false)"
+
+#: How many of our lock ids this very backend holds. A bigint advisory key is stored as
+#: classid (high 32 bits) and objid (low 32 bits) with objsubid 1 (an int4 pair would be
+#: objsubid 2); the shift wraps, so negative ids come back exactly.
+HELD_BY_US = """
+SELECT count(*) FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()
+  AND ((classid::int8 << 32) | objid::int8) = ANY(%s)
+"""
+
+#: Who holds one advisory lock id in this database (granted, any backend).
+ADVISORY_HOLDER = """
+SELECT l.pid, host(a.client_addr), a.application_name, a.backend_start, a.query
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = %s::int8::oid AND l.objid = %s::int8::oid
+LIMIT 1
+"""
+
+#: Session settings jobrun pins on its own sessions (start-up options, else PIN_SETTINGS).
+PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("DateStyle", "ISO"),
+    ("IntervalStyle", "postgres"),
+    ("TimeZone", "UTC"),
+    ("client_encoding", "UTF8"),
+    ("search_path", '"$user", public'),
+    ("extra_float_digits", "1"),
+)
+#: The same as one statement, for a session that started without them (a pooler).
+PIN_SETTINGS = (
+    "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
+    "SET client_encoding = 'UTF8'; "
+    'SET search_path = "$user", public; '
+    "SET extra_float_digits = 1"
+)

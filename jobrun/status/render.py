@@ -1,0 +1,190 @@
+"""The tables and ``status --check`` lines of ``jobrun status`` and ``history``."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING, Any
+
+from jobrun.durations import format_seconds
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from jobrun.locks import Holder
+    from jobrun.status.collect import KeyStatus
+
+#: Run ids are UUIDs; the table shows their first 8 characters (``--json`` has them whole).
+_SHORT_RUN_ID = 8
+
+
+def status_table(rows: Iterable[KeyStatus]) -> str:
+    """An aligned table, one line per key."""
+    header = (
+        "KEY",
+        "HELD",
+        "HOLDER",
+        "RUN",
+        "SINCE",
+        "LAST",
+        "FINISHED",
+        "DURATION",
+        "TYPICAL",
+        "DEADLOCKS",
+        "SKIPS",
+        "FAILS",
+        "NOTE",
+    )
+    lines = [header]
+    for row in rows:
+        holder = row.holder
+        lines.append(
+            (
+                row.key,
+                (holder.mode or "-") if holder else "-",
+                _who(holder),
+                (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
+                _when(holder.since) if holder else "-",
+                row.last_outcome or "-",
+                _when(row.last_finished_at),
+                _duration(row.last_duration),
+                _duration(row.typical_duration),
+                _count(row.last_deadlocks),
+                str(row.skip_streak),
+                str(row.failure_streak),
+                _note(row),
+            )
+        )
+    return _align(lines)
+
+
+def history_table(runs: Iterable[dict[str, Any]]) -> str:
+    """An aligned table of runs, newest first."""
+    lines: list[tuple[str, ...]] = [
+        ("STARTED", "OUTCOME", "EXIT", "DURATION", "DEADLOCKS", "HOST", "PID", "RUN", "NOTE")
+    ]
+    for run in runs:
+        note = run["reason"] or run["signal"] or ""
+        holder = run.get("holder") or {}
+        if run["outcome"] == "skipped" and holder.get("holder_host"):
+            note = f"{note}, held by {holder['holder_host']} pid {holder.get('holder_pid')}"
+        elif run["outcome"] == "skipped" and holder.get("previous_host"):
+            note = (
+                f"{note}, ran on {holder['previous_host']} at {holder.get('previous_started_at')}"
+            )
+        lines.append(
+            (
+                _when(run["started_at"]),
+                str(run["outcome"]),
+                "-" if run["exit_code"] is None else str(run["exit_code"]),
+                _duration(run["duration"]),
+                _count(run["deadlocks"]),
+                str(run["host"]),
+                str(run["pid"]),
+                str(run["run_id"])[:_SHORT_RUN_ID],
+                note or "-",
+            )
+        )
+    return _align(lines)
+
+
+def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:
+    """An aligned table of overlapping runs, one line per pair, newest first."""
+    lines: list[tuple[str, ...]] = [
+        ("STARTED", "FINISHED", "HOST", "OUTCOME", "DEADLOCKS", "OVERLAP",
+         "OTHER STARTED", "OTHER FINISHED", "OTHER HOST", "OTHER OUTCOME", "OTHER DEADLOCKS")
+    ]  # fmt: skip
+    lines.extend(
+        (
+            _when(pair["started_at"]),
+            _when(pair["finished_at"]),
+            str(pair["host"]),
+            str(pair["outcome"]),
+            _count(pair["deadlocks"]),
+            _duration(pair["overlap"]),
+            _when(pair["other_started_at"]),
+            _when(pair["other_finished_at"]),
+            str(pair["other_host"]),
+            str(pair["other_outcome"]),
+            _count(pair["other_deadlocks"]),
+        )
+        for pair in pairs
+    )
+    return _align(lines)
+
+
+def _note(row: KeyStatus) -> str:
+    """Paused (until when, by whom), overdue, stuck: what an operator should know at once."""
+    notes = []
+    if row.paused is not None:
+        until = row.paused["until"]
+        notes.append(
+            f"paused until {_when(str(until)) if until else 'resumed'} by "
+            f"{row.paused['user']}@{row.paused['host']}"
+        )
+    if row.slots_in_use:
+        notes.append(f"{row.slots_in_use} slots in use")
+    if row.overdue:
+        notes.append("overdue")
+    if row.stuck:
+        notes.append("stuck")
+    return ", ".join(notes) or "-"
+
+
+def check_lines(rows: Iterable[KeyStatus], alert_after: int) -> list[str]:
+    """``status --check``: one line per key that is overdue, failing or stuck."""
+    lines = []
+    for row in rows:
+        for what in row.attention(alert_after):
+            detail = {
+                "overdue": f"last success started {_when(row.last_success_started_at)}, "
+                f"expected every {_duration(row.expect_every)} "
+                f"(grace {_duration(row.expect_grace)})",
+                "failing": f"{row.failure_streak} failures in a row",
+                "stuck": f"running for {_duration(row.running_for)}, typically "
+                f"{_duration(row.typical_duration)}",
+            }[what]
+            lines.append(f"{what}: {row.key}: {detail}")
+    return lines
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _align(lines: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def _who(holder: Holder | None) -> str:
+    if holder is None:
+        return "-"
+    if holder.host is not None:
+        return f"{holder.host} pid {holder.pid}"
+    if holder.backend_pid is not None:  # not a jobrun session, or its query is hidden from us
+        return f"backend {holder.backend_pid}" + (
+            f" from {holder.client_addr}" if holder.client_addr else ""
+        )
+    return "?"
+
+
+def _when(stamp: str | None) -> str:
+    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp."""
+    if not stamp:
+        return "-"
+    try:
+        parsed = dt.datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.timezone.utc)
+    return parsed.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return format_seconds(round(seconds, 1) if seconds < 60 else seconds)  # noqa: PLR2004 - a minute
