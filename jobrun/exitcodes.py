@@ -48,7 +48,13 @@ TABLE: tuple[tuple[str, str], ...] = (
             "`history_unavailable` (`--once-per`)"
         ),
     ),
-    (str(Exit.INTERNAL.value), "internal error in jobrun (a bug: please report it)"),
+    (
+        str(Exit.USAGE.value),
+        (
+            "usage error: bad flag, key, duration, missing command, or a connection string "
+            "libpq rejects (`port=abc`; a raw `@` in a URI password: write `%40`)"
+        ),
+    ),
     (
         str(Exit.LOCK_LOST.value),
         "the lock was lost mid-run and the child was stopped (`--on-lock-lost terminate`)",
@@ -60,13 +66,15 @@ TABLE: tuple[tuple[str, str], ...] = (
     (str(Exit.TIMED_OUT.value), "`--timeout` ran out; the child was stopped"),
     (str(Exit.NOT_EXECUTABLE.value), "the command is not executable"),
     (str(Exit.NOT_FOUND.value), "the command was not found"),
+    (str(Exit.INTERNAL.value), "internal error in jobrun (a bug: please report it)"),
     (
-        str(Exit.USAGE.value),
+        str(Exit.ATTENTION.value),
         (
-            "usage error: bad flag, key, duration, missing command, or a connection string "
-            "libpq rejects (`port=abc`; a raw `@` in a URI password: write `%40`)"
+            "`jobrun status --check`: a key is overdue, failing or stuck; `jobrun stop`: "
+            "nothing held the key"
         ),
     ),
+    (str(Exit.NOT_ENDED.value), "`jobrun stop`: the run did not end within `--wait`"),
     (str(Exit.DATA_ERROR.value), "`jobrun deadlocks`: a file that is not a PostgreSQL server log"),
     (str(Exit.NO_INPUT.value), "`jobrun deadlocks`: a log file is missing or unreadable"),
     (
@@ -76,14 +84,6 @@ TABLE: tuple[tuple[str, str], ...] = (
             "line on stderr"
         ),
     ),
-    (
-        str(Exit.ATTENTION.value),
-        (
-            "`jobrun status --check`: a key is overdue, failing or stuck; `jobrun stop`: "
-            "nothing held the key"
-        ),
-    ),
-    (str(Exit.NOT_ENDED.value), "`jobrun stop`: the run did not end within `--wait`"),
     (
         str(Exit.BROKEN_PIPE.value),
         (
