@@ -181,10 +181,13 @@ def configure(
     stream: TextIO | None = None,
     fallback_fd: int | None = None,
 ) -> structlog.typing.FilteringBoundLogger:
-    """Build the logger every module receives (no global configuration is touched).
+    """Build the logger every module receives, and route psycopg's warnings into it.
 
-    Lines go to ``fd`` (else ``stream``, else stderr); a line that cannot be written there
-    goes to ``fallback_fd``.
+    structlog's global configuration is not touched (the logger is passed around). The one
+    process-wide change is the ``psycopg`` standard-library logger: its handlers are
+    replaced, so a library warning becomes one of our event lines instead of a raw,
+    non-JSON line on stderr. Lines go to ``fd`` (else ``stream``, else stderr); a line that
+    cannot be written there goes to ``fallback_fd``.
     """
     target = fd if fd is not None else stream.fileno() if stream is not None else STDERR
     if fmt == "auto":
