@@ -13,18 +13,31 @@ if TYPE_CHECKING:
     import psycopg
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.history.calls import SharedSession
     from jobrun.locks import Lock
 
 #: The variable the child reads its token from.
 ENV = "JOBRUN_FENCE"
 
 
-def take(target: db.Target, *, app_name: str) -> int:
+def take(target: db.Target, *, app_name: str, shared: SharedSession | None = None) -> int:
     """The next value of ``jobrun.fence`` (created on first use); LockStoreUnavailable if not.
 
     One sequence serves every key: tokens of one key are then increasing too, and a token
-    means the same thing whichever lock mode or host took it.
+    means the same thing whichever lock mode or host took it. With ``shared`` (session mode)
+    the token is taken on the lock session, so a run stays one server session; only the
+    very first token of a database (the sequence does not exist yet) takes a short
+    connection of its own to create it.
     """
+    conn = shared.connection() if shared is not None else None
+    if shared is not None and conn is not None and not conn.closed and not conn.broken:
+        with db.translate_errors(target, "taking a fencing token"):
+            try:
+                # One autocommit statement, with the holder's comment as every statement
+                # on the lock session (a skipping run reads who holds the key from it).
+                return _next(conn, prefix=shared.comment)
+            except (errors.UndefinedTable, errors.InvalidSchemaName):
+                pass  # created below, on a connection of its own
     with (
         db.connect(target, app_name=app_name) as conn,
         db.translate_errors(target, "taking a fencing token"),
@@ -47,7 +60,10 @@ def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLo
     LockLost or LockStoreUnavailable when that proof cannot be had (the child must then
     not start).
     """
-    token = take(target, app_name=app_name)
+    from jobrun.locks.session import SessionLock  # noqa: PLC0415 - only with --fence
+
+    shared = lock if isinstance(lock, SessionLock) else None
+    token = take(target, app_name=app_name, shared=shared)
     lock.check()
     log.info("fence_taken", fence=token)
     return token
@@ -60,7 +76,7 @@ def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:
         conn.execute(sql.FENCE_SCHEMA)
 
 
-def _next(conn: psycopg.Connection[tuple[object, ...]]) -> int:
-    row = conn.execute(sql.FENCE_NEXT).fetchone()
+def _next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> int:
+    row = conn.execute(prefix + sql.FENCE_NEXT).fetchone()
     assert row is not None  # noqa: S101 - nextval always returns a row
     return int(str(row[0]))

@@ -18,6 +18,7 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun import db, fence, log
 from support import jobrun_cli as cli
+from support.sessions import SessionCounter
 
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()
 
@@ -147,6 +148,20 @@ class TestEndToEnd:
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert int(proc.stdout) == cli.event(proc.stderr, "fence_taken")["fence"]
+
+    def test_session_mode_takes_the_token_on_the_lock_session(self, fresh_dsn, key):
+        """Once the sequence exists, a --fence run is still one server session."""
+        first = cli.run("--key", key, "--fence", "--no-history", "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # creates jobrun.fence
+        counter = SessionCounter(fresh_dsn)
+        try:
+            proc = cli.run("--key", key, "--fence", "--no-history", "--", "true", dsn=fresh_dsn)
+            assert proc.returncode == 0, proc.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+        tokens = [cli.event(p.stderr, "fence_taken")["fence"] for p in (first, proc)]
+        assert tokens[1] > tokens[0]
 
     def test_without_fence_there_is_no_token(self, dsn, key):
         """No --fence: no JOBRUN_FENCE, no sequence touched."""
