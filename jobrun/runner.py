@@ -249,7 +249,7 @@ class _GuardedRun:
                 # Not a streak: the operator asked for these skips.
                 log.info("skipped", reason="paused", exit_code=job.skip_exit_code, **pause)
                 self.recorder.skipped("paused", pause, job.skip_exit_code)
-                if self.pinger is not None:  # --- operators: --ping
+                if self.pinger is not None:
                     self.pinger.skipped("paused", pause)
                 return job.skip_exit_code
             if earlier is not None:
