@@ -113,10 +113,15 @@ dsns = st.one_of(
     .map(lambda text: f"host={CLOSED_HOST} port=1 password={SECRET}{text}"),
 )
 #: DSNs with bytes that are not UTF-8 (a usage error: libpq takes UTF-8 connection strings).
-dsns_not_utf8 = st.binary(min_size=1, max_size=6).map(
-    lambda raw: (
-        f"host={CLOSED_HOST} port=1 password={SECRET}"
-        + (b"\xff" + raw).decode("utf-8", "surrogateescape")
+#: No NUL: neither argv nor the environment can carry one.
+dsns_not_utf8 = (
+    st.binary(min_size=1, max_size=6)
+    .filter(lambda raw: b"\x00" not in raw)
+    .map(
+        lambda raw: (
+            f"host={CLOSED_HOST} port=1 password={SECRET}"
+            + (b"\xff" + raw).decode("utf-8", "surrogateescape")
+        )
     )
 )
 
