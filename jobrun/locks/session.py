@@ -53,9 +53,10 @@ class SessionLock:
     ) -> None:
         # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
         self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
-        # WARNING: the server must notice a vanished host (else the lock stays ~2 h with the
-        # OS defaults: PITFALLS 3), but only after we would have SIGKILLed the child on our
-        # side of a partition: its keepalives start after lifetime + kill-after + slack.
+        # WARNING: the server must notice a vanished host (with the OS defaults it keeps a
+        # half-open connection, and so the lock, for about 2 h), but only after we would have
+        # SIGKILLed the child on our side of a partition: its keepalives start after
+        # lifetime + kill-after + slack.
         self._server_keepalive_idle = math.ceil(self.confirmation_lifetime + kill_after + 5)
         self._keys = keys
         self._target = target
