@@ -61,14 +61,12 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     Exit status: 0 the run ended; 1 nothing held KEY; 3 it did not end within --wait
     (with --force: its lock was then taken away).
     """
-    from jobrun import control, db, keys
+    from jobrun import control, keys
 
     keys.validate_label(key_label)
-    where = options.target(dsn, connect_timeout)
-    with (
-        db.connect(where, app_name="jobrun-stop") as conn,
-        db.translate_errors(where, "stopping the run"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
+    ) as conn:
         holder = control.holder_of(conn, key_label)
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
@@ -135,17 +133,15 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
 
     A run already going is not affected; paused skips never build a skip streak.
     """
-    from jobrun import control, db, keys
+    from jobrun import control, keys
 
     keys.validate_label(key_label)
     if for_ is not None and until is not None:
         raise UsageError("--for and --until exclude each other")
     until_at = _time(until) if until is not None else None
-    where = options.target(dsn, connect_timeout)
-    with (
-        db.connect(where, app_name="jobrun-pause") as conn,
-        db.translate_errors(where, "pausing the key"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
+    ) as conn:
         since, ends = control.pause(conn, key_label, seconds=for_, until=until_at, reason=reason)
     click.echo(f"paused {key_label} since {since} until {ends or 'resumed'}")
     return 0
@@ -156,14 +152,12 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
 @options.database
 def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
     """End the pause of KEY: its next run goes ahead."""
-    from jobrun import control, db, keys
+    from jobrun import control, keys
 
     keys.validate_label(key_label)
-    where = options.target(dsn, connect_timeout)
-    with (
-        db.connect(where, app_name="jobrun-resume") as conn,
-        db.translate_errors(where, "resuming the key"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-resume", doing="resuming the key"
+    ) as conn:
         was_paused = control.resume(conn, key_label)
     click.echo(f"resumed {key_label}" if was_paused else f"{key_label} was not paused")
     return 0

@@ -50,15 +50,13 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import json
 
-    from jobrun import db, keys, status
+    from jobrun import keys, status
 
     for label in key_labels:
         keys.validate_label(label)
-    where = options.target(dsn, connect_timeout)
-    with (
-        db.connect(where, app_name="jobrun-status") as conn,
-        db.translate_errors(where, "reading the status"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-status", doing="reading the status"
+    ) as conn:
         found = status.collect(conn, key_labels)
     for note in found.notes:
         click.echo(f"jobrun: note: {note}", err=True)
@@ -116,19 +114,17 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import json
 
-    from jobrun import db, keys, status
+    from jobrun import keys, status
 
     keys.validate_label(key_label)
     if other_label is not None:
         keys.validate_label(other_label)
     elif since is not None:
         raise UsageError("--since goes with --overlapping")
-    where = options.target(dsn, connect_timeout)
     if other_label is not None:
-        with (
-            db.connect(where, app_name="jobrun-history") as conn,
-            db.translate_errors(where, "reading the history"),
-        ):
+        with options.connected(
+            dsn, connect_timeout, app_name="jobrun-history", doing="reading the history"
+        ) as conn:
             pairs = status.overlapping(conn, key_label, other_label, since=since, limit=limit)
         if as_json:
             click.echo(json.dumps(pairs or [], indent=2, default=str))
@@ -137,10 +133,9 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
         else:
             click.echo(f"no run of {key_label} overlapped a run of {other_label}")
         return 0
-    with (
-        db.connect(where, app_name="jobrun-history") as conn,
-        db.translate_errors(where, "reading the history"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-history", doing="reading the history"
+    ) as conn:
         runs = status.runs_of(conn, key_label, limit)
     if runs is None:
         click.echo(
@@ -217,17 +212,15 @@ def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
     """
     import uuid
 
-    from jobrun import db, tail
+    from jobrun import tail
 
     try:
         run_id = str(uuid.UUID(run_id))
     except ValueError:
         raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
-    where = options.target(dsn, connect_timeout)
-    with (
-        db.connect(where, app_name="jobrun-show") as conn,
-        db.translate_errors(where, "reading the run"),
-    ):
+    with options.connected(
+        dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
+    ) as conn:
         run = tail.read(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)

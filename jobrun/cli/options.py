@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -11,7 +12,9 @@ from jobrun import durations
 from jobrun.exitcodes import UsageError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
+
+    import psycopg
 
     from jobrun import db
 
@@ -39,6 +42,21 @@ def target(dsn: str, connect_timeout: float, *, warn: bool = True) -> db.Target:
             err=True,
         )
     return built
+
+
+@contextlib.contextmanager
+def connected(
+    dsn: str, connect_timeout: float, *, app_name: str, doing: str
+) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A subcommand's one connection; psycopg errors inside it become exit 69.
+
+    ``doing`` names what was under way, for the error line.
+    """
+    from jobrun import db
+
+    where = target(dsn, connect_timeout)
+    with db.connect(where, app_name=app_name) as conn, db.translate_errors(where, doing):
+        yield conn
 
 
 def source_of(param: click.Parameter | None, ctx: click.Context | None) -> str:
