@@ -337,59 +337,53 @@ class PgServer(Managed):
     def _init(self) -> None:
         check_reachable(self.bin_dir)
         self.base_dir = make_private_dir("jobrun-pg-")
-        run_as = RunAs.for_servers()
-        with self.log_path.open("ab") as log:
-            result = subprocess.run(
-                [
-                    str(self.bin_dir / "initdb"),
-                    "-D",
-                    str(self.data_dir),
-                    "--auth=trust",
-                    "--username=postgres",
-                    "--encoding=UTF8",
-                    "--no-locale",
-                    "--no-sync",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self._base,
-                env=_pg_env(self.bin_dir),
-                timeout=120,
-                check=False,
-                user=run_as.user,
-                group=run_as.group,
-                extra_groups=run_as.extra_groups,
-            )
-        if result.returncode != 0:
-            raise PgServerError(f"initdb failed:\n{log_tail(self.log_path)}")
-        lines = ["", "# added by tests/support/pgserver.py"]
-        settings = {
-            **_BASE_SETTINGS,
-            "unix_socket_directories": str(self.socket_dir),
-            **self.settings,
-        }
-        lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
-        with (self.data_dir / "postgresql.conf").open("a") as conf:
-            conf.write("\n".join(lines) + "\n")
+        self._run_tool(
+            "initdb",
+            "-D",
+            str(self.data_dir),
+            "--auth=trust",
+            "--username=postgres",
+            "--encoding=UTF8",
+            "--no-locale",
+            "--no-sync",
+        )
+        self._append_settings(
+            "# added by tests/support/pgserver.py",
+            {**_BASE_SETTINGS, "unix_socket_directories": str(self.socket_dir), **self.settings},
+        )
 
     def _clone(self, primary: PgServer, upstream: str | None) -> None:
         """Copy ``primary`` with pg_basebackup -R (standby.signal and primary_conninfo)."""
         check_reachable(self.bin_dir)
         self.base_dir = make_private_dir("jobrun-pg-standby-")
+        self._run_tool(
+            "pg_basebackup",
+            "-D",
+            str(self.data_dir),
+            "-R",
+            "--wal-method=stream",
+            "--checkpoint=fast",
+            "--no-sync",
+            "-d",
+            primary.dsn(),
+        )
+        # The copy carries the primary's postgresql.conf: later lines win, so the socket
+        # directory (the primary's own) and this server's settings go at the end.
+        self._append_settings(
+            "# added by tests/support/pgserver.py for the standby",
+            {"unix_socket_directories": str(self.socket_dir), **self.settings},
+        )
+        if upstream is not None:
+            # -R wrote primary_conninfo into postgresql.auto.conf; a later line there wins.
+            with (self.data_dir / "postgresql.auto.conf").open("a") as auto:
+                auto.write(f"primary_conninfo = {_quote(upstream)}\n")
+
+    def _run_tool(self, tool: str, *args: str) -> None:
+        """Run a server program of ``bin_dir`` as the servers' user; its output to the log."""
         run_as = RunAs.for_servers()
         with self.log_path.open("ab") as log:
             result = subprocess.run(
-                [
-                    str(self.bin_dir / "pg_basebackup"),
-                    "-D",
-                    str(self.data_dir),
-                    "-R",
-                    "--wal-method=stream",
-                    "--checkpoint=fast",
-                    "--no-sync",
-                    "-d",
-                    primary.dsn(),
-                ],
+                [str(self.bin_dir / tool), *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._base,
@@ -401,18 +395,12 @@ class PgServer(Managed):
                 extra_groups=run_as.extra_groups,
             )
         if result.returncode != 0:
-            raise PgServerError(f"pg_basebackup failed:\n{log_tail(self.log_path)}")
-        # The copy carries the primary's postgresql.conf: later lines win, so the socket
-        # directory (the primary's own) and this server's settings go at the end.
-        lines = ["", "# added by tests/support/pgserver.py for the standby"]
-        settings = {"unix_socket_directories": str(self.socket_dir), **self.settings}
-        lines += [f"{name} = {_quote(value)}" for name, value in settings.items()]
+            raise PgServerError(f"{tool} failed:\n{log_tail(self.log_path)}")
+
+    def _append_settings(self, header: str, settings: dict[str, str]) -> None:
+        lines = ["", header, *(f"{name} = {_quote(value)}" for name, value in settings.items())]
         with (self.data_dir / "postgresql.conf").open("a") as conf:
             conf.write("\n".join(lines) + "\n")
-        if upstream is not None:
-            # -R wrote primary_conninfo into postgresql.auto.conf; a later line there wins.
-            with (self.data_dir / "postgresql.auto.conf").open("a") as auto:
-                auto.write(f"primary_conninfo = {_quote(upstream)}\n")
 
     def _start_on_free_port(self) -> None:
         for _ in range(_PORT_ATTEMPTS):
