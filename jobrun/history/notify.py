@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from jobrun import metrics
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
@@ -57,6 +55,8 @@ class Notifier:
         """Write ``--metrics-file`` (streaks None: counted on from the file's values)."""
         if not self._config.metrics_file:
             return
+        from jobrun import metrics  # noqa: PLC0415 - only with --metrics-file: a lean run path
+
         sample = metrics.Sample(
             key=self._label,
             outcome=outcome,
