@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
 from jobrun import __version__
+from jobrun.cli import cli
+from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import TABLE
 from support import jobrun_cli
 
@@ -151,6 +154,79 @@ class TestHelpAndVersionSubcommands:
         result = jobrun_cli.run("--key", "k", "make", dsn=None)
         assert result.returncode == 64
         assert "put it after '--'" in result.stderr
+
+
+class TestSubcommandsLoadWhenUsed:
+    """A run, `key` and `--help` import no other subcommand's module; the table matches them."""
+
+    SUBCOMMAND_MODULES = ("jobrun.cli.ops", "jobrun.cli.control", "jobrun.cli.overlap")
+
+    #: Prints, as the process ends, every jobrun module it imported.
+    REPORT_MODULES = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(*[m for m in sys.modules if m.startswith('jobrun')],"
+        " sep='\\n', file=sys.stderr))\n"
+        "sys.argv = ['jobrun', *sys.argv[1:]]\n"
+        "from jobrun.__main__ import main\n"
+        "main()\n"
+    )
+
+    def _imported(self, *argv: str) -> set[str]:
+        result = subprocess.run(
+            [sys.executable, "-c", self.REPORT_MODULES, *argv],
+            env=jobrun_cli.environment(None),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return set(result.stderr.split())
+
+    @pytest.mark.parametrize("argv", [("--help",), ("key", "x")])
+    def test_no_other_subcommand_is_imported(self, argv):
+        """Only the subcommand asked for (and for --help none) is imported."""
+        imported = self._imported(*argv)
+        assert not imported & set(self.SUBCOMMAND_MODULES)
+        assert ("jobrun.cli.tools" in imported) == (argv[0] == "key")
+
+    def test_every_summary_is_the_commands_own(self):
+        """The one-line help --help shows without importing is each command's own."""
+        context = click.Context(cli)
+        for name, lazy in SUBCOMMANDS.items():
+            command = cli.get_command(context, name)
+            assert command is not None, name
+            assert command.name == name
+            assert command.get_short_help_str(limit=1000) == lazy.summary, name
+
+
+class TestExitWithoutTeardown:
+    """The console script ends the process itself, and loses nothing on the way."""
+
+    def test_output_and_status_survive(self, tmp_path, dsn, key):
+        """stdout written through a pipe, the log file flushed, the status kept (300 -> 44)."""
+        log = tmp_path / "jobrun.log"
+        result = subprocess.run(
+            [
+                *jobrun_cli.JOBRUN,
+                "--key",
+                key,
+                "--log-file",
+                str(log),
+                "--",
+                sys.executable,
+                "-c",
+                "print('out'); raise SystemExit(300)",
+            ],
+            env=jobrun_cli.environment(dsn),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 300 % 256, result.stderr
+        assert result.stdout == "out\n"
+        assert '"event": "finished"' in log.read_text()
 
 
 class TestDrillAndDemoSay:

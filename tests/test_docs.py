@@ -109,7 +109,8 @@ class TestReference:
 
     def test_every_option_with_its_variable(self):
         """Each option of each command has a row, with its JOBRUN_* variable if it has one."""
-        commands = [cli, *cli.commands.values()]
+        context = click.Context(cli)
+        commands = [cli, *(cli.get_command(context, name) for name in cli.list_commands(context))]
         for command in commands:
             for param in command.params:
                 if not isinstance(param, click.Option) or param.is_eager:

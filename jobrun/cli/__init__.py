@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from jobrun.cli import control, ops, overlap, tools
 from jobrun.cli.main import main
 from jobrun.cli.run import cli
-
-ops.register(cli)
-control.register(cli)
-overlap.register(cli)
-tools.register(cli)
 
 __all__ = ["cli", "main"]

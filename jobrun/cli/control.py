@@ -16,13 +16,6 @@ from jobrun.exitcodes import Exit, UsageError
 STOP_WAIT = "30s"
 
 
-def register(group: click.Group) -> None:
-    """Add the stop, pause and resume subcommands to a group."""
-    group.add_command(stop_command)
-    group.add_command(pause_command)
-    group.add_command(resume_command)
-
-
 reason_option = click.option(
     "--reason", metavar="TEXT", help="Why: logged by the run and shown by status."
 )

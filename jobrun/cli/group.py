@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from jobrun.cli.options import SUBCOMMAND_FOLLOWS
+from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import UsageError
 
 if TYPE_CHECKING:
@@ -29,8 +31,36 @@ class JobrunGroup(click.Group):
     """Runs ``jobrun [OPTIONS] -- COMMAND...`` itself, and has subcommands.
 
     Options written before a subcommand are handed to it (see Subcommand); the group's
-    environment variables are not read then, since they configure a run.
+    environment variables are not read then, since they configure a run. A subcommand's
+    module is imported when the subcommand is used (jobrun.cli.subcommands).
     """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: ARG002 - click's signature
+        """Every subcommand's name, none of them imported."""
+        return sorted({*self.commands, *SUBCOMMANDS})
+
+    def get_command(
+        self,
+        ctx: click.Context,  # noqa: ARG002 - click's signature
+        cmd_name: str,
+    ) -> click.Command | None:
+        """The subcommand ``cmd_name``, imported now if it was not yet; None if there is none."""
+        command = self.commands.get(cmd_name)
+        lazy = SUBCOMMANDS.get(cmd_name)
+        if command is None and lazy is not None:
+            command = getattr(importlib.import_module(lazy.module), lazy.attribute)
+            self.add_command(command, cmd_name)
+        return command
+
+    def format_commands(
+        self,
+        ctx: click.Context,  # noqa: ARG002 - click's signature
+        formatter: click.HelpFormatter,
+    ) -> None:
+        """The subcommands' one-line help from the table, without importing them."""
+        rows = [(name, SUBCOMMANDS[name].summary) for name in sorted(SUBCOMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """Take ``-- COMMAND...`` aside, or note the options given before a subcommand."""
@@ -52,7 +82,7 @@ class JobrunGroup(click.Group):
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
         """Say how to run a command when someone forgot the ``--``."""
-        if args and args[0] not in self.commands:
+        if args and self.get_command(ctx, args[0]) is None:
             raise click.UsageError(
                 f"unknown subcommand {args[0]!r}; to run a command, put it after '--': "
                 f"jobrun --key NAME -- {args[0]} ..."

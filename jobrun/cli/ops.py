@@ -9,15 +9,6 @@ from jobrun.cli.group import Subcommand
 from jobrun.exitcodes import Exit, UsageError
 
 
-def register(group: click.Group) -> None:
-    """Add the status, history, doctor and deadlocks subcommands to a group."""
-    group.add_command(status_command)
-    group.add_command(history_command)
-    group.add_command(doctor_command)
-    group.add_command(deadlocks_command)
-    group.add_command(show_command)
-
-
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_labels", nargs=-1, metavar="[KEY]...")
 @click.option(

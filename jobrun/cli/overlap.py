@@ -15,11 +15,6 @@ if TYPE_CHECKING:
     from jobrun import overlap
 
 
-def register(group: click.Group) -> None:
-    """Add the overlap subcommand to a group."""
-    group.add_command(overlap_command)
-
-
 @click.command("overlap", cls=Subcommand, takes=("dsn", "connect_timeout"))
 @click.option(
     "--first", required=True, metavar="CMD", help="Command A (shell-style quoting, no shell)."

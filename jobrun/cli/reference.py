@@ -16,8 +16,10 @@ def render() -> str:
     """Markdown: one section per command, one row per option (flag, variable, default)."""
     context = click.Context(cli, info_name="jobrun")
     parts = [_command_section(cli, context, "jobrun [OPTIONS] -- COMMAND [ARGS]...", "a run")]
-    for name in sorted(cli.commands):
-        command = cli.commands[name]
+    for name in cli.list_commands(context):
+        command = cli.get_command(context, name)
+        if command is None:
+            continue
         usage = " ".join(["jobrun", name, *command.collect_usage_pieces(context)])
         parts.append(_command_section(command, context, usage, name))
     return "\n".join(parts)

@@ -13,12 +13,6 @@ from jobrun.exitcodes import UsageError
 DRILL_COMMAND = ("sleep", "600")
 
 
-def register(group: click.Group) -> None:
-    """Add key, drill, demo, help and version to a group."""
-    for command in (key_command, drill_command, demo_command, help_command, version_command):
-        group.add_command(command)
-
-
 @click.command("key", cls=Subcommand)
 @click.argument("names", nargs=-1, required=True)
 def key_command(names: tuple[str, ...]) -> int:
@@ -157,7 +151,8 @@ def help_command(ctx: click.Context, subcommand: str | None) -> int:
     command = group.get_command(parent, subcommand)
     if command is None:
         raise UsageError(
-            f"no subcommand {subcommand!r}; the subcommands are: " + ", ".join(group.commands)
+            f"no subcommand {subcommand!r}; the subcommands are: "
+            + ", ".join(group.list_commands(parent))
         )
     with click.Context(command, info_name=subcommand, parent=parent) as sub:
         click.echo(command.get_help(sub))
