@@ -447,16 +447,19 @@ def translate_errors(target: Target, doing: str) -> Iterator[None]:
         raise unavailable(exc, target, doing) from None
 
 
-def detect_transaction_pooler(conn: Connection, target: Target, *, app_name: str) -> str | None:
+def detect_transaction_pooler(
+    conn: Connection, target: Target, *, app_name: str, backend: int | None = None
+) -> str | None:
     """Return why we believe a transaction/statement pooler sits between us and Postgres.
 
     A direct connection (or a plain TCP proxy) reports the same backend pid in the protocol
     handshake as ``pg_backend_pid()`` does; poolers such as PgBouncer invent their own. Only
     then do we spend a second connection: if it lands on the same server backend as ours
     while we sit idle, two clients share one backend - transaction pooling, where a session
-    lock would be stranded on a backend we no longer talk to.
+    lock would be stranded on a backend we no longer talk to. ``backend`` is
+    ``pg_backend_pid()`` if the caller has asked already.
     """
-    first = backend_pid(conn)
+    first = backend_pid(conn) if backend is None else backend
     if conn.info.backend_pid == first:
         return None
     with connect(target, app_name=app_name) as probe:

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
-from jobrun.cli.ops import register
+from jobrun.cli.ops import doctor_command
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import ensure_schema
 from support import jobrun_cli
@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def doctor() -> Callable[..., click.testing.Result]:
     """``doctor(dsn, *args) -> Result``: ``jobrun doctor`` on a throwaway group, in-process."""
-    group = click.Group()
-    register(group)
+    group = click.Group(commands=[doctor_command])
     runner = CliRunner()
 
     def invoke(dsn: str, *args: str) -> click.testing.Result:

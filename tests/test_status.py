@@ -15,7 +15,13 @@ from click.testing import CliRunner
 from psycopg import sql as pgsql
 
 from jobrun import db, keys, log
-from jobrun.cli.ops import register
+from jobrun.cli.ops import (
+    deadlocks_command,
+    doctor_command,
+    history_command,
+    show_command,
+    status_command,
+)
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
 from jobrun.history.config import HistoryConfig
 from jobrun.history.recorder import Recorder
@@ -87,8 +93,9 @@ HISTORY_FIELDS = {
 @pytest.fixture
 def ops() -> Callable[..., click.testing.Result]:
     """``invoke(dsn, *args) -> Result``: the subcommands on a throwaway group, in-process."""
-    group = click.Group()
-    register(group)
+    group = click.Group(
+        commands=[status_command, history_command, doctor_command, deadlocks_command, show_command]
+    )
     runner = CliRunner()
 
     def invoke(dsn: str, *args: str) -> click.testing.Result:

@@ -90,19 +90,24 @@ class SessionLock:
         self._conn = conn
         try:
             with db.translate_errors(self._target, "preparing the lock session"):
-                conn.execute(
+                immune = (
                     sql.SESSION_IMMUNE_14
                     if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
                     else sql.SESSION_IMMUNE
                 )
                 setup = conn.execute(
-                    sql.SESSION_SETUP, (str(self._server_keepalive_idle),)
-                ).fetchone()
-                standby = bool(setup and setup[-1])
+                    immune + sql.SESSION_SETUP.format(idle=self._server_keepalive_idle)
+                )
+                while setup.nextset():  # the SETs come first; the row is the last result
+                    pass
+                row = setup.fetchone()
+                standby, backend = (bool(row[3]), int(str(row[4]))) if row else (False, 0)
                 pooler = (
                     None
                     if standby
-                    else db.detect_transaction_pooler(conn, self._target, app_name=self._app_name)
+                    else db.detect_transaction_pooler(
+                        conn, self._target, app_name=self._app_name, backend=backend
+                    )
                 )
             if standby:
                 _refuse_standby()

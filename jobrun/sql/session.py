@@ -6,24 +6,26 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 
 #: Make the lock session immune to server-side idle timeouts (a role or database setting would
 #: otherwise end the session, and with it the lock, while the child runs). 14+ knows both.
+#: The lock session's settings and facts, in one message: no timeout of the role or the
+#: database may end it while the child runs (idle_session_timeout exists from PostgreSQL
+#: 14); server-side keepalives (idle seconds given, an integer: probes every 2 s, 3 of
+#: them), so the server ends the session of a host that vanished (the OS default keeps a
+#: half-open connection, and the lock, for over 2 hours); whether the server is a standby
+#: (its advisory locks are its own: shared with nobody else); and the backend that runs our
+#: statements (a pooler announces a backend pid of its own: see db.detect_transaction_pooler).
+SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0; "
 SESSION_IMMUNE_14 = (
-    "SET idle_in_transaction_session_timeout = 0; SET idle_session_timeout = 0; "
-    "SET statement_timeout = 0; "
+    SESSION_IMMUNE + "SET idle_session_timeout = 0; "
     # A --wait for the next key blocks the backend in pg_advisory_lock: without this it
     # would notice a killed jobrun only when the wait ends, holding the keys already taken.
-    "SET client_connection_check_interval = '1s'"
+    "SET client_connection_check_interval = '1s'; "
 )
-SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0"
-
-#: Server-side keepalives for the lock session (idle seconds given; probes every 2 s, 3 of
-#: them), so the server ends the session of a host that vanished (the OS default keeps a
-#: half-open connection, and the lock, for over 2 hours); and whether
-#: the server is a standby (its advisory locks are its own: shared with nobody else).
 SESSION_SETUP = """
-SELECT set_config('tcp_keepalives_idle', %s, false),
+SELECT set_config('tcp_keepalives_idle', '{idle:d}', false),
        set_config('tcp_keepalives_interval', '2', false),
        set_config('tcp_keepalives_count', '3', false),
-       pg_is_in_recovery()
+       pg_is_in_recovery(),
+       pg_backend_pid()
 """
 
 #: Session mode must also respect a lease-mode run of the same key: checked after the
