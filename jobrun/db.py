@@ -50,39 +50,38 @@ UNREACHABLE = "unreachable"
 REFUSED = "refused"
 
 _URI_PREFIXES = ("postgresql://", "postgres://")
+# The patterns below are used on error paths only: plain strings, compiled (and cached by
+# ``re``) the first time they are needed, not at every start of a run.
 # The userinfo of a URI ends at the *last* "@" before the host: a raw "@" in a password must
 # not leave its tail in the clear.
-_URI_PASSWORD = re.compile(r"(\bpostgres(?:ql)?://[^:/@\s]*:)[^\s/]*@")
-_QUOTED = re.compile(r'"[^"]*"')
-_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_MASK_URI = r"(\bpostgres(?:ql)?://[^:/@\s]*:)[^\s/]*@"
+_QUOTED = r'"[^"]*"'
+_MASK_KEYWORD = r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)"
 
 # libpq (or psycopg) rejected a value in the connection string itself: a usage error.
-_BAD_OPTION = re.compile(
-    r"invalid (?:integer |port |connection option|\S+ value)"
+_BAD_OPTION = (
+    r"(?i)invalid (?:integer |port |connection option|\S+ value)"
     r"|could not match \d+ (?:host names|port numbers)"
     r"|bad value for connect_timeout"
-    r"|unrecognized (?:\S+ )?(?:value|option)",
-    re.IGNORECASE,
+    r"|unrecognized (?:\S+ )?(?:value|option)"
 )
 # The server said no for now: many clients at once (SQLSTATE 53300) or it is starting up,
 # shutting down or recovering (57P03). libpq does not expose the SQLSTATE of a failed
 # start-up, so its (English) message text is all there is.
-_BUSY = re.compile(
-    r"too many (?:clients|connections)"
+_BUSY = (
+    r"(?i)too many (?:clients|connections)"
     r"|remaining connection slots are reserved"
     r"|the database system is (?:starting up|shutting down|in recovery mode"
-    r"|not yet accepting connections|not accepting connections)",
-    re.IGNORECASE,
+    r"|not yet accepting connections|not accepting connections)"
 )
 # The server answered, and refused us.
-_REFUSED = re.compile(
-    r"FATAL:|authentication failed|no password supplied|password is required"
+_REFUSED = (
+    r"(?i)FATAL:|authentication failed|no password supplied|password is required"
     r"|server requested .*authentication|SSL .*required|does not support SSL"
-    r"|pg_hba\.conf|permission denied",
-    re.IGNORECASE,
+    r"|pg_hba\.conf|permission denied"
 )
 # PgBouncer (before 1.20) refuses any start-up parameter it does not track.
-_OPTIONS_UNSUPPORTED = re.compile(r"unsupported startup parameter: options", re.IGNORECASE)
+_OPTIONS_UNSUPPORTED = r"(?i)unsupported startup parameter: options"
 
 #: First and longest pause between two attempts at a busy server (jittered).
 _FIRST_BACKOFF = 0.05
@@ -95,8 +94,8 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
     Known secrets are masked where they stand as a value (quoted, after ``=`` or ``:``,
     before ``@``), never inside other words: a one-letter password must not garble text.
     """
-    text = _URI_PASSWORD.sub(r"\1***@", text)
-    text = _KV_PASSWORD.sub(r"\1***", text)
+    text = re.sub(_MASK_URI, r"\1***@", text)
+    text = re.sub(_MASK_KEYWORD, r"\1***", text)
     return mask_secrets(text, secrets)
 
 
@@ -164,7 +163,7 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
     except psycopg.ProgrammingError as exc:
         # WARNING: libpq quotes the part it could not parse, and that may be the password.
         detail = redact(" ".join(str(exc).split()), tuple(_uri_passwords(dsn)))
-        detail = _QUOTED.sub(lambda m: _quoted_fragment(m.group(0), dsn), detail)
+        detail = re.sub(_QUOTED, lambda m: _quoted_fragment(m.group(0), dsn), detail)
         raise UsageError(f"--dsn/JOBRUN_DSN is not a valid connection string: {detail}") from None
     if dsn.startswith(_URI_PREFIXES) and "@" in str(params.get("host") or ""):
         raise UsageError(
@@ -256,9 +255,9 @@ def connect(target: Target, *, app_name: str) -> Connection:
             ) from None
         except psycopg.Error as exc:
             text = one_line(exc, target)
-            if _BAD_OPTION.search(text) and not _REFUSED.search(text):
+            if re.search(_BAD_OPTION, text) and not re.search(_REFUSED, text):
                 raise UsageError(f"--dsn/JOBRUN_DSN: {_strip_prefix(text)}") from None
-            if _BUSY.search(text):
+            if re.search(_BUSY, text):
                 busy = text
                 pause = random.uniform(backoff / 2, backoff)  # noqa: S311 - jitter, not crypto
                 if time.monotonic() + pause < deadline:
@@ -279,7 +278,7 @@ def connect(target: Target, *, app_name: str) -> Connection:
 
 def classify(message: str) -> str:
     """``refused`` when the server answered and said no, else ``unreachable``."""
-    return REFUSED if _BUSY.search(message) or _REFUSED.search(message) else UNREACHABLE
+    return REFUSED if re.search(_BUSY, message) or re.search(_REFUSED, message) else UNREACHABLE
 
 
 def _strip_prefix(text: str) -> str:
@@ -386,7 +385,7 @@ def _connect_once(
     error = attempt.error
     if (
         isinstance(error, psycopg.Error)
-        and _OPTIONS_UNSUPPORTED.search(str(error))
+        and re.search(_OPTIONS_UNSUPPORTED, str(error))
         and not target._learned.get("no_options")  # noqa: SLF001 - our own memo
     ):
         # A pooler that does not pass start-up options on: pin with SET instead.
