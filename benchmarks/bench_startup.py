@@ -18,8 +18,14 @@ ratio is the median of the per-pair ratios.
 (a)'s floor is a hand-written script with jobrun's three dependencies that does the run
 path's work by hand: import click, structlog and psycopg, connect, take an advisory lock,
 run ``true``, release it. Anything above it is jobrun's own cost (its modules, history,
-round trips). Two more rows, for information only (no target): (a) against
+round trips). jobrun ends without the interpreter's teardown (jobrun/__main__.py: exit
+handlers run, streams flushed, then ``os._exit``), which the floor does not; so a row for
+information holds (a) against the floor ending the same way: that ratio is jobrun's own
+work alone. Two more rows, for information only (no target): (a) against
 ``python -c 'import psycopg'``, and the three imports alone against psycopg alone.
+
+The run's round trips (messages to the server) and sessions are counted by
+``benchmarks/bench_server_calls.py`` (a private server that logs every statement).
 
 Usage::
 
@@ -160,6 +166,12 @@ with psycopg.connect(os.environ["JOBRUN_DSN"], autocommit=True) as conn:
     conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
 """
 
+#: The same, ending as jobrun does: exit handlers and stream flushes, then os._exit (no
+#: interpreter teardown). Against this floor, what is left is jobrun's own work.
+BY_HAND_NO_TEARDOWN = (
+    BY_HAND + "import atexit, sys\natexit._run_exitfuncs()\nsys.stdout.flush()\nos._exit(0)\n"
+)
+
 
 def comparisons(script: Path | None, key: str) -> list[Comparison]:
     """Every jobrun command to time, through the console script and through ``-m``."""
@@ -198,6 +210,15 @@ def comparisons(script: Path | None, key: str) -> list[Comparison]:
             )
         )
     run = found[0]
+    found.append(
+        Comparison(
+            run.label,
+            run.command,
+            "the floor, also ending without the interpreter's teardown",
+            (python, "-c", BY_HAND_NO_TEARDOWN),
+            None,
+        )
+    )
     found.append(
         Comparison(run.label, run.command, "python -c 'import psycopg'", import_psycopg, None)
     )
@@ -345,6 +366,14 @@ def bench(args: argparse.Namespace, pycache: str | None) -> int:
     preflight(compared, env)
     samples = measure(compared, args.runs, env)
     print(render(table(compared, samples)))
+    print("\nround trips of (a), from a private server's statement log:")
+    counted = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("bench_server_calls.py"))],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    print(counted.stdout.rstrip() or counted.stderr.strip()[-300:])
     print(f"\n{time.monotonic() - started:.1f}s in all")
     return 0
 
