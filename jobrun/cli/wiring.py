@@ -230,7 +230,14 @@ def _pause_check(
 
 
 def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
-    """Session mode: the lock session, lent to the history (the run's one server session)."""
+    """What the lock lends the history.
+
+    Session mode: the lock session (the run's one server session). Lease mode: the
+    connection of the attempt (for the call after it) and of the release (for the call
+    before it); with ``--slots``, nothing (each call connects on its own).
+    """
     if settings.mode != "session":
-        return None
+        from jobrun.locks.lease import LeaseLock
+
+        return lock.loan if isinstance(lock, LeaseLock) else None
     return cast("SharedSession", lock)
