@@ -154,7 +154,8 @@ def _recorder(
 ) -> Recorder | NoHistory:
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
-    Session mode: the history goes over the lock session (one server session per run).
+    Session mode: the history goes over the lock session (one server session per run);
+    lease mode: over the connections of the attempt and of the release.
     """
     from pathlib import Path
 
@@ -203,7 +204,8 @@ def _pause_check(
 ) -> Callable[[], dict[str, object] | None]:
     """Without history, the pause check: a statement of its own, after the lock is taken.
 
-    Session mode: one more round trip on the lock session; lease mode: one more connection.
+    Session mode: one more round trip on the lock session; lease mode: one more round trip
+    on the connection that took the lease (lent to it, as to the history).
     """
     from jobrun import sql
     from jobrun.history import calls, recorder
