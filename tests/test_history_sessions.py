@@ -161,6 +161,49 @@ class TestLeaseModeSessions:
         again = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert again.returncode == 0, again.stderr  # the lease was released
 
+    def test_a_lease_run_with_min_hold_lends_nothing_across_the_hold(self, fresh_dsn, key):
+        """--min-hold: the end row is written before the hold on a connection of its own,
+        the release after it on another: nothing is held open while the run waits."""
+        ensure_runs_table(fresh_dsn)
+        args = ("--mode", "lease", "--key", key, "--min-hold", "1s", "--", "true")
+        first = jobrun_cli.run(*args, dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run(*args, dsn=fresh_dsn)
+            assert result.returncode == 0, result.stderr
+            assert counter.ended_since_start(3) == 3
+        finally:
+            counter.close()
+        assert event(result.stderr, "holding")["reason"] == "min_hold"
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
+
+    def test_a_lease_skip_with_slots_keeps_no_slot_connection(self, fresh_dsn, key, tmp_path):
+        """--slots 2, both held: each slot's attempt closes its connection; the skip row
+        takes one of its own (3 sessions), and is written."""
+        ensure_runs_table(fresh_dsn)
+        args = ("--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--slots", "2")
+        holders = []
+        try:
+            for n in range(2):
+                marker = tmp_path / f"child{n}"
+                child = jobrun_cli.holder_marker(marker)
+                holders.append(jobrun_cli.start(*args, "--key", key, "--", *child, dsn=fresh_dsn))
+                wait_for_file(marker)
+            counter = SessionCounter(fresh_dsn)
+            try:
+                skip = jobrun_cli.run(*args, "--key", key, "--", "true", dsn=fresh_dsn)
+                assert skip.returncode == 75, skip.stderr
+                assert counter.ended_since_start(3) == 3
+            finally:
+                counter.close()
+        finally:
+            for holder in holders:
+                jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        assert "history_failed" not in skip.stderr
+        skips = [row for row in rows_of(fresh_dsn, key) if row["outcome"] == "skipped"]
+        assert len(skips) == 1
+
 
 DEADLOCK_CHILD = """
 import sys, threading, psycopg
