@@ -350,7 +350,7 @@ class LeaseLock:
         if lent is not None and not lent.closed and not lent.broken:
             try:
                 lent.execute(sql.LEASE_RELEASE, self._params)
-            except psycopg.OperationalError:
+            except psycopg.Error:
                 pass  # it broke under the history's call: a fresh one (the delete is idempotent)
             else:
                 return
