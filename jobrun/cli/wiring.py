@@ -84,7 +84,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
 
         slot_keys = slots.slot_keys(run_keys[0], settings.slots)
         lock = slots.SlotLock(
-            [_lock(settings, (key,), target, identity, bound) for key in slot_keys],
+            [_lock(settings, (key,), target, identity, bound, lend=False) for key in slot_keys],
             [key.lock_id for key in slot_keys],
         )
     else:
@@ -123,13 +123,24 @@ def _lock(
     target: db.Target,
     identity: Identity,
     log: FilteringBoundLogger,
+    *,
+    lend: bool = True,
 ) -> Lock:
-    """The lock of the run's mode on ``run_keys``."""
+    """The lock of the run's mode on ``run_keys``.
+
+    ``lend``: a lease lends its connections to the history (not with ``--slots``).
+    """
     if settings.mode == "lease":
         from jobrun.locks import lease
 
         return lease.LeaseLock(
-            run_keys, target, identity, log, ttl=settings.ttl, lifetime=settings.lifetime
+            run_keys,
+            target,
+            identity,
+            log,
+            ttl=settings.ttl,
+            lifetime=settings.lifetime,
+            lend=lend,
         )
     from jobrun.locks import session
 

@@ -150,9 +150,10 @@ class Loan:
 class LeaseLock:
     """Leases in ``jobrun.leases``; no connection is held between statements.
 
-    The connection of an attempt, and that of the release, is lent to the history
-    (``loan``) for the call right after, resp. before, it; ``end_loan`` closes it before
-    the child starts.
+    With ``lend``, the connection of an attempt, and that of the release, is lent to the
+    history (``loan``) for the call right after, resp. before, it. WARNING: the attempt's
+    connection then stays open until ``end_loan`` or ``release``: a caller that holds the
+    lease for long (the runner, before the child starts) must call ``end_loan``.
     """
 
     def __init__(
@@ -164,8 +165,10 @@ class LeaseLock:
         *,
         ttl: float,
         lifetime: float,
+        lend: bool = False,
     ) -> None:
         self._keys = keys
+        self._lend = lend
         self._target = target
         self._identity = identity
         self._log = log
@@ -207,7 +210,10 @@ class LeaseLock:
         except BaseException:
             conn.close()
             raise
-        self.loan.lend(conn)
+        if self._lend:
+            self.loan.lend(conn)
+        else:
+            conn.close()
         return holder
 
     def _attempt(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder | None:
@@ -313,7 +319,7 @@ class LeaseLock:
 
         Never raises: without it, the end row and the release connect on their own.
         """
-        if not self._held:
+        if not (self._held and self._lend):
             return
         try:
             self.loan.lend(db.connect(self._target, app_name=self._app_name))
