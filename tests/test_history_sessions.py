@@ -89,6 +89,18 @@ class TestOneSessionPerRun:
             counter.close()
 
 
+#: A child that writes how many other sessions of its database are open (its own excepted).
+OTHER_SESSIONS = """
+import sys, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchone()
+open(sys.argv[2], "w").write(str(row[0]))
+"""
+
+
 class TestLeaseModeSessions:
     """Lease mode holds no connection between statements, but lends each to the history."""
 
@@ -113,6 +125,19 @@ class TestLeaseModeSessions:
         calls = event(result.stderr, "history_calls")
         assert (calls["round_trips"], calls["sessions"]) == (2, 0)
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
+
+    def test_no_connection_is_open_while_the_lease_child_runs(self, fresh_dsn, key, tmp_path):
+        """The attempt's connection, lent to the history's start, is closed before the child
+        starts (and the release's is opened only after it ended)."""
+        ensure_runs_table(fresh_dsn)
+        seen = tmp_path / "seen"
+        # No renewal while the child looks: the first heartbeat is an hour away.
+        result = jobrun_cli.run(
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            sys.executable, "-c", OTHER_SESSIONS, fresh_dsn, str(seen), dsn=fresh_dsn,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert seen.read_text() == "0"
 
     def test_a_lease_skip_opens_one_session(self, fresh_dsn, key, tmp_path):
         """A skip: the attempt names the holder, and its connection carries the skip row."""
