@@ -259,6 +259,9 @@ class _GuardedRun:
                 if self.pinger is not None:
                     self.pinger.skipped("already_ran", fields)
                 return job.skip_exit_code
+            # Lease mode: the attempt's connection carried the history's start (and a skip
+            # row): nothing is held while the child runs.
+            self.lock.end_loan()
             # --fence: a token taken while the lock is provably held.
             if self.fencer is not None:
                 try:
@@ -284,6 +287,7 @@ class _GuardedRun:
             lost = watchdog.lost_before_start()
             if lost is not None:
                 log.error("lock_lost", reason=lost, action="not_started")
+                self._lend_for_the_end(guarded=True)
                 recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                 return int(Exit.LOCK_LOST)
         env = child_environment(self.environ, job, self.identity.run_id)
@@ -299,6 +303,7 @@ class _GuardedRun:
             if capture is not None:
                 capture.close()
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
+            self._lend_for_the_end(guarded=watchdog is not None)
             recorder.exec_failed(exc.exit_code)
             return exc.exit_code
         if capture is not None:
@@ -322,11 +327,17 @@ class _GuardedRun:
             outcome, status = _outcome(ending)
             # The line first: the history write may take a few seconds on a bad network.
             _log_finished(ending, outcome, status, log)
+            hold_until = (
+                started + job.min_hold
+                if guarded and job.min_hold and outcome != "lock_lost"
+                else None
+            )
+            self._lend_for_the_end(guarded=guarded, hold_until=hold_until)
             recorder.finished(
                 outcome, status, ending.signal_name, ending.duration, defer_alerts=True
             )
-            if guarded and job.min_hold and outcome != "lock_lost":
-                _hold(started + job.min_hold, log)
+            if hold_until is not None:
+                _hold(hold_until, log)
         except BaseException:
             # WARNING: jobrun itself failed (a bug) while the child may still run: the lock
             # is released next, so the child's group dies first (at most one run, always).
@@ -335,6 +346,15 @@ class _GuardedRun:
                 capture.finish()
             raise
         return status
+
+    def _lend_for_the_end(self, *, guarded: bool, hold_until: float | None = None) -> None:
+        """Lease mode: the release's connection, opened now, carries the end row too.
+
+        Not when unguarded (no lock), nor across a ``--min-hold`` still to come: nothing is
+        held open while we wait. Session mode: nothing to do (the lock session is lent).
+        """
+        if guarded and (hold_until is None or hold_until <= time.monotonic()):
+            self.lock.lend()
 
 
 def _outcome(ending: supervise.Ending) -> tuple[str, int]:

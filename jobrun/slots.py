@@ -82,6 +82,9 @@ class SlotLock:
     def stop_request(self, value: dict[str, object] | None) -> None:
         self._lock.stop_request = value
 
+    #: Shared with the history in session mode only: the lock session is needed.
+    intermittent = False
+
     @property
     def comment(self) -> str:
         """The taken session lock's SQL comment (session mode: the history shares it)."""
@@ -98,6 +101,7 @@ class SlotLock:
                     self._taken, self.slot = lock, slot
                     self.lock_id = self._lock_ids[slot]
                     return None
+                lock.end_loan()  # a busy slot's connection is no one's to use
                 holder = holder or found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -115,6 +119,14 @@ class SlotLock:
     def interrupt(self) -> None:
         """Cut the taken slot's check short."""
         self._lock.interrupt()
+
+    def lend(self) -> None:
+        """Lend the taken slot's release connection (lease mode)."""
+        self._lock.lend()
+
+    def end_loan(self) -> None:
+        """Close what the taken slot lent to the history (lease mode)."""
+        self._lock.end_loan()
 
     def release(self) -> None:
         """Release the taken slot (no other was kept)."""

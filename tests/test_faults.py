@@ -17,6 +17,7 @@ from jobrun import db, keys
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
 from support import jobrun_cli
+from support.history import rows_of
 from support.jobrun_cli import event, wait_for_file, wait_until
 
 #: A child that proves mutual exclusion on its own: it takes an exclusive flock on a file
@@ -321,6 +322,27 @@ class TestPooler:
         stderr = jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
         assert proc.returncode == 143, stderr
         assert "heartbeat_failed" not in stderr
+
+    def test_lease_history_through_transaction_pooling(
+        self, pgbouncer, pg_address, dsn, key, children
+    ):
+        """The history rides the lease's connections through PgBouncer: a run's row and a
+        skip's row are written, and no call fails."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction")
+        pooled = bouncer.dsn_for(dsn)
+        args = ("--key", key, "--mode", "lease", "--ttl", "6s", "--kill-after", "1s")
+        proc, _ = start_holder(children, *args, dsn=pooled)
+        skip = jobrun_cli.run(*args, "--", "true", dsn=pooled)
+        assert skip.returncode == 75, skip.stderr
+        stderr = jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
+        assert proc.returncode == 143, stderr
+        after = jobrun_cli.run(*args, "--", "true", dsn=pooled)
+        assert after.returncode == 0, after.stderr
+        for output in (stderr, skip.stderr, after.stderr):
+            assert "history_failed" not in output
+            assert "release_failed" not in output
+        outcomes = [row["outcome"] for row in rows_of(dsn, key)]
+        assert outcomes == ["succeeded", "skipped", "failed"]
 
 
 class TestLeaseFaults:

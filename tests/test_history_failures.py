@@ -107,6 +107,55 @@ class TestOncePerFailsClosed:
         assert "timeout" in event(result.stderr, "history_failed")["error"]
         assert not ran.exists()
 
+    def test_lease_mode_fails_closed_on_a_locked_table(self, dsn, key, tmp_path):
+        """Lease mode, the window checked over the attempt's connection: exit 69, no child,
+        and the lease released (the next run takes it at once)."""
+        ensure_runs_table(dsn)
+        ran = tmp_path / "ran"
+        args = ("--mode", "lease", "--key", key)
+        with psycopg.connect(dsn) as blocker:
+            blocker.execute("LOCK TABLE jobrun.runs IN ACCESS EXCLUSIVE MODE")
+            result = jobrun_cli.run(*args, "--once-per", "1h", "--", "touch", str(ran), dsn=dsn)
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == "history_unavailable"
+        assert "timeout" in event(result.stderr, "history_failed")["error"]
+        assert "started" not in [e["event"] for e in events(result.stderr)]
+        assert not ran.exists()
+        assert "release_failed" not in result.stderr
+        assert jobrun_cli.run(*args, "--", "true", dsn=dsn).returncode == 0
+
+    def test_lease_mode_fails_closed_when_the_lent_connection_dies(self, dsn, key, tmp_path):
+        """The attempt's connection terminated while the window check waits on it: exit 69,
+        no child, and the release goes over a fresh connection."""
+        ensure_runs_table(dsn)
+        ran = tmp_path / "ran"
+        args = ("--mode", "lease", "--key", key)
+        with psycopg.connect(dsn) as blocker:
+            blocker.execute("LOCK TABLE jobrun.runs IN ACCESS EXCLUSIVE MODE")
+            proc = jobrun_cli.start(*args, "--once-per", "1h", "--", "touch", str(ran), dsn=dsn)
+            with psycopg.connect(dsn, autocommit=True) as admin:
+
+                def waiting() -> list[int]:
+                    return [
+                        int(row[0])
+                        for row in admin.execute(
+                            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                            " AND query LIKE '%%jobrun.runs%%' AND pid <> %s",
+                            (blocker.info.backend_pid,),
+                        )
+                    ]
+
+                wait_until(lambda: bool(waiting()), what="the window check to wait")
+                for pid in waiting():
+                    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 69, stderr
+        assert event(stderr, "lockstore_unavailable")["reason"] == "history_unavailable"
+        assert "started" not in [e["event"] for e in events(stderr)]
+        assert not ran.exists()
+        assert "release_failed" not in stderr
+        assert jobrun_cli.run(*args, "--", "true", dsn=dsn).returncode == 0
+
     def test_on_db_error_run_runs_unchecked(self, limited, key, tmp_path):
         """--on-db-error run opts into running when --once-per cannot be checked."""
         ran = tmp_path / "ran"

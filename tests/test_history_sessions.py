@@ -89,23 +89,59 @@ class TestOneSessionPerRun:
             counter.close()
 
 
+#: A child that writes how many other sessions of its database are open (its own excepted).
+OTHER_SESSIONS = """
+import sys, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    ).fetchone()
+open(sys.argv[2], "w").write(str(row[0]))
+"""
+
+
 class TestLeaseModeSessions:
-    """Lease mode holds no connection between statements: its figures, pinned."""
+    """Lease mode holds no connection between statements, but lends each to the history."""
 
-    def test_a_lease_run_and_a_lease_skip(self, fresh_dsn, key, tmp_path):
-        """A run before its first renewal: take, history start, history end, release (4).
-
-        A skip: the attempt (which names the holder) and the skip row (2).
-        """
+    def test_a_lease_run_opens_two_sessions(self, fresh_dsn, key):
+        """A run before its first renewal: the attempt (with the history's start) and the
+        release (with the history's end). Both rows' calls went over them."""
         first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # the schema exists from here on
         counter = SessionCounter(fresh_dsn)
         try:
-            result = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+            result = jobrun_cli.run(
+                "--mode", "lease", "--key", key, "--log-level", "debug", "--", "true",
+                dsn=fresh_dsn,
+            )  # fmt: skip
             assert result.returncode == 0, result.stderr
-            run_sessions = counter.ended_since_start(4)
+            run_sessions = counter.ended_since_start(2)
         finally:
             counter.close()
+        print(f"lease mode: run {run_sessions} sessions")
+        assert run_sessions == 2
+        assert "history_failed" not in result.stderr
+        calls = event(result.stderr, "history_calls")
+        assert (calls["round_trips"], calls["sessions"]) == (2, 0)
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
+
+    def test_no_connection_is_open_while_the_lease_child_runs(self, fresh_dsn, key, tmp_path):
+        """The attempt's connection, lent to the history's start, is closed before the child
+        starts (and the release's is opened only after it ended)."""
+        ensure_runs_table(fresh_dsn)
+        seen = tmp_path / "seen"
+        # No renewal while the child looks: the first heartbeat is an hour away.
+        result = jobrun_cli.run(
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            sys.executable, "-c", OTHER_SESSIONS, fresh_dsn, str(seen), dsn=fresh_dsn,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert seen.read_text() == "0"
+
+    def test_a_lease_skip_opens_one_session(self, fresh_dsn, key, tmp_path):
+        """A skip: the attempt names the holder, and its connection carries the skip row."""
+        ensure_runs_table(fresh_dsn)
         marker = tmp_path / "child"
         # No renewal while the skip is counted: its first heartbeat is an hour away.
         holder = jobrun_cli.start(
@@ -116,15 +152,82 @@ class TestLeaseModeSessions:
             wait_for_file(marker)
             counter = SessionCounter(fresh_dsn)
             try:
-                skip = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+                skip = jobrun_cli.run(
+                    "--mode", "lease", "--key", key, "--log-level", "debug", "--", "true",
+                    dsn=fresh_dsn,
+                )  # fmt: skip
                 assert skip.returncode == 75, skip.stderr
-                skip_sessions = counter.ended_since_start(2)
+                skip_sessions = counter.ended_since_start(1)
             finally:
                 counter.close()
         finally:
             jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
-        print(f"lease mode: run {run_sessions} sessions, skip {skip_sessions} sessions")
-        assert (run_sessions, skip_sessions) == (4, 2)
+        print(f"lease mode: skip {skip_sessions} sessions")
+        assert skip_sessions == 1
+        assert event(skip.stderr, "skipped")["holder_pid"] == holder.pid
+        calls = event(skip.stderr, "history_calls")
+        assert (calls["round_trips"], calls["sessions"]) == (1, 0)
+        skips = [row for row in rows_of(fresh_dsn, key) if row["outcome"] == "skipped"]
+        assert len(skips) == 1
+
+    def test_a_lease_once_per_skip_opens_one_session(self, fresh_dsn, key):
+        """--once-per: the check, the already_ran skip row and the release, on the attempt's."""
+        args = ("--mode", "lease", "--key", key, "--once-per", "1d", "--", "true")
+        first = jobrun_cli.run(*args, dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run(*args, dsn=fresh_dsn)
+            assert result.returncode == 75, result.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+        assert event(result.stderr, "skipped")["reason"] == "already_ran"
+        again = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+        assert again.returncode == 0, again.stderr  # the lease was released
+
+    def test_a_lease_run_with_min_hold_lends_nothing_across_the_hold(self, fresh_dsn, key):
+        """--min-hold: the end row is written before the hold on a connection of its own,
+        the release after it on another: nothing is held open while the run waits."""
+        ensure_runs_table(fresh_dsn)
+        args = ("--mode", "lease", "--key", key, "--min-hold", "1s", "--", "true")
+        first = jobrun_cli.run(*args, dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr
+        counter = SessionCounter(fresh_dsn)
+        try:
+            result = jobrun_cli.run(*args, dsn=fresh_dsn)
+            assert result.returncode == 0, result.stderr
+            assert counter.ended_since_start(3) == 3
+        finally:
+            counter.close()
+        assert event(result.stderr, "holding")["reason"] == "min_hold"
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
+
+    def test_a_lease_skip_with_slots_keeps_no_slot_connection(self, fresh_dsn, key, tmp_path):
+        """--slots 2, both held: each slot's attempt closes its connection; the skip row
+        takes one of its own (3 sessions), and is written."""
+        ensure_runs_table(fresh_dsn)
+        args = ("--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--slots", "2")
+        holders = []
+        try:
+            for n in range(2):
+                marker = tmp_path / f"child{n}"
+                child = jobrun_cli.holder_marker(marker)
+                holders.append(jobrun_cli.start(*args, "--key", key, "--", *child, dsn=fresh_dsn))
+                wait_for_file(marker)
+            counter = SessionCounter(fresh_dsn)
+            try:
+                skip = jobrun_cli.run(*args, "--key", key, "--", "true", dsn=fresh_dsn)
+                assert skip.returncode == 75, skip.stderr
+                assert counter.ended_since_start(3) == 3
+            finally:
+                counter.close()
+        finally:
+            for holder in holders:
+                jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
+        assert "history_failed" not in skip.stderr
+        skips = [row for row in rows_of(fresh_dsn, key) if row["outcome"] == "skipped"]
+        assert len(skips) == 1
 
 
 DEADLOCK_CHILD = """

@@ -84,7 +84,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
 
         slot_keys = slots.slot_keys(run_keys[0], settings.slots)
         lock = slots.SlotLock(
-            [_lock(settings, (key,), target, identity, bound) for key in slot_keys],
+            [_lock(settings, (key,), target, identity, bound, lend=False) for key in slot_keys],
             [key.lock_id for key in slot_keys],
         )
     else:
@@ -123,13 +123,24 @@ def _lock(
     target: db.Target,
     identity: Identity,
     log: FilteringBoundLogger,
+    *,
+    lend: bool = True,
 ) -> Lock:
-    """The lock of the run's mode on ``run_keys``."""
+    """The lock of the run's mode on ``run_keys``.
+
+    ``lend``: a lease lends its connections to the history (not with ``--slots``).
+    """
     if settings.mode == "lease":
         from jobrun.locks import lease
 
         return lease.LeaseLock(
-            run_keys, target, identity, log, ttl=settings.ttl, lifetime=settings.lifetime
+            run_keys,
+            target,
+            identity,
+            log,
+            ttl=settings.ttl,
+            lifetime=settings.lifetime,
+            lend=lend,
         )
     from jobrun.locks import session
 
@@ -154,7 +165,8 @@ def _recorder(
 ) -> Recorder | NoHistory:
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
-    Session mode: the history goes over the lock session (one server session per run).
+    Session mode: the history goes over the lock session (one server session per run);
+    lease mode: over the connections of the attempt and of the release.
     """
     from pathlib import Path
 
@@ -203,7 +215,8 @@ def _pause_check(
 ) -> Callable[[], dict[str, object] | None]:
     """Without history, the pause check: a statement of its own, after the lock is taken.
 
-    Session mode: one more round trip on the lock session; lease mode: one more connection.
+    Session mode: one more round trip on the lock session; lease mode: one more round trip
+    on the connection that took the lease (lent to it, as to the history).
     """
     from jobrun import sql
     from jobrun.history import calls, recorder
@@ -230,7 +243,14 @@ def _pause_check(
 
 
 def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
-    """Session mode: the lock session, lent to the history (the run's one server session)."""
+    """What the lock lends the history.
+
+    Session mode: the lock session (the run's one server session). Lease mode: the
+    connection of the attempt (for the call after it) and of the release (for the call
+    before it); with ``--slots``, nothing (each call connects on its own).
+    """
     if settings.mode != "session":
-        return None
+        from jobrun.locks.lease import LeaseLock
+
+        return lock.loan if isinstance(lock, LeaseLock) else None
     return cast("SharedSession", lock)

@@ -1,4 +1,4 @@
-"""History calls: a few statements as one message, on the lock session or a connection."""
+"""History calls: a few statements as one message, on a lent connection or one of their own."""
 
 from __future__ import annotations
 
@@ -30,14 +30,24 @@ SILENCE_GRACE = 2.0
 
 
 class SharedSession(Protocol):
-    """The lock session, lent to the history (``locks.session.SessionLock``)."""
+    """A lock's connection, lent to the history.
+
+    Session mode (``locks.session.SessionLock``): the lock session, for the whole run.
+    Lease mode (``locks.lease.Loan``): the connection of the lock's last statement (the
+    attempt) or of its next one (the release), lent only in between; the child never runs
+    with one open.
+    """
 
     #: Who holds the lock, as a SQL comment: every statement on the session starts with it,
     #: so that a run finding the lock held can name us from pg_stat_activity.query.
     comment: str
+    #: False: the connection is the lock session, and without it (None, closed) the call
+    #: fails: the lock is gone with it. True: a connection is lent only at times, and
+    #: without one the call connects on its own.
+    intermittent: bool
 
     def connection(self) -> Connection | None:
-        """The session's connection (None: there is none)."""
+        """The lent connection (None: there is none)."""
         ...
 
     def interrupt(self) -> None:
@@ -61,12 +71,13 @@ def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
 class Calls:
     """Sends history calls; never raises for database trouble, says it once, then gives up.
 
-    ``shared`` lends the lock session (session mode: the run's one server session, shared
-    with the heartbeat). Each call is ONE message of a few statements, which the server runs
-    as one implicit transaction: psycopg's connection lock is held for the whole exchange, so
-    the heartbeat's check waits for at most the call's timeout and never lands inside it, and
-    the session is never left idle in a transaction. Without ``shared`` (lease mode, which
-    holds no connection between statements) each call connects on its own.
+    ``shared`` lends the lock's connection (session mode: the run's one server session,
+    shared with the heartbeat; lease mode: the attempt's or the release's). Each call is
+    ONE message of a few statements, which the server runs as one implicit transaction:
+    psycopg's connection lock is held for the whole exchange, so the heartbeat's check
+    waits for at most the call's timeout and never lands inside it, and the session is
+    never left idle in a transaction. Without a connection lent (lease mode holds none
+    between its statements) a call connects on its own.
 
     The call's timeout is split between its statements (``statement_timeout`` and
     ``lock_timeout``, local to the transaction): a history stuck behind a table lock gives up
@@ -96,7 +107,7 @@ class Calls:
         #: Calls that failed, and whether the database is given up on for this run.
         self.failures = 0
         self.gave_up = False
-        #: Messages sent and server sessions opened (the shared session is not counted).
+        #: Messages sent and server sessions opened (a lent connection is not counted).
         self.round_trips = 0
         self.sessions = 0
 
@@ -125,13 +136,13 @@ class Calls:
         return None
 
     def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
-        if self._shared is None:
+        conn = self._shared.connection() if self._shared is not None else None
+        if conn is None and (self._shared is None or self._shared.intermittent):
             self.sessions += 1
             self.round_trips += 1  # the connection's own start-up exchange
             with db.connect(self._target, app_name=self._app_name) as own:
                 return self._send(own, statements, params)
-        conn = self._shared.connection()
-        if conn is None or conn.closed or conn.broken:
+        if self._shared is None or conn is None or conn.closed or conn.broken:
             raise psycopg.OperationalError("the lock session is closed")
         # WARNING: on a silent network (nothing answers, nothing tells the kernel) this call,
         # or the heartbeat check it waits for, would never return: past the call's timeout

@@ -31,8 +31,10 @@ class Recorder:
     A run costs two history calls (one message each): ``acquired`` (mark dead runs
     abandoned, check ``--once-per``, insert our ``running`` row, note the database's deadlock
     count, claim skip streaks that ended) and ``finished`` (the outcome, the failure streak,
-    the deadlocks during the run, pruning). A skip costs one. With ``shared`` (session mode)
-    they go over the lock session: no other server session is ever opened. The first failure
+    the deadlocks during the run, pruning). A skip costs one. With ``shared`` they go over
+    the lock's connection: session mode, the lock session (no other server session is ever
+    opened); lease mode, the attempt's (the start, a skip) and the release's (the end). The
+    first failure
     in a run is one ``history_failed`` warning (later ones are debug lines).
     """
 

@@ -85,8 +85,22 @@ class Lock(Protocol):
         """Make a check that hangs on a dead network fail now (called from another thread)."""
         ...
 
+    def lend(self) -> None:
+        """Lease mode: open the release's connection now, lent to the history's end row.
+
+        Session mode: nothing (the lock session is lent all along). Never raises.
+        """
+        ...
+
+    def end_loan(self) -> None:
+        """Lease mode: close the connection lent to the history (before the child starts).
+
+        Session mode: nothing.
+        """
+        ...
+
     def release(self) -> None:
-        """Give the lock back; never raises."""
+        """Give the lock back (and close a connection lent to the history); never raises."""
         ...
 
     def known_lost(self) -> str | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import select
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -94,8 +97,64 @@ def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[floa
     return checked.heartbeat, checked.lifetime
 
 
+class Loan:
+    """The lease's connection, lent to the history between two of the lock's statements.
+
+    The attempt's connection carries the call that follows it (the skip row; the running
+    row and the ``--once-per`` check), the release's the call before it (the end row): a
+    skip costs one connection, a run two plus one per renewal, and in a herd no history
+    call has to win a connection slot of its own. Each call is one message, one implicit
+    transaction (``history.calls``), so nothing is left open on the connection, and a
+    transaction pooler may give every message another server connection.
+    """
+
+    #: Lease rows name their holder: no comment is needed on the statements.
+    comment = ""
+    #: Without a connection lent, the history connects on its own.
+    intermittent = True
+
+    def __init__(self) -> None:
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def lend(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        """Lend ``conn`` (closing whatever was lent before)."""
+        self.end()
+        self._conn = conn
+
+    def take(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        """The lent connection, handed back (the caller closes it); None if there is none."""
+        conn, self._conn = self._conn, None
+        return conn
+
+    def end(self) -> None:
+        """Close the lent connection, if any."""
+        conn = self.take()
+        if conn is not None:
+            conn.close()
+
+    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        """The lent connection, if one is lent and usable."""
+        conn = self._conn
+        return conn if conn is not None and not conn.closed and not conn.broken else None
+
+    def interrupt(self) -> None:
+        """Cut the lent connection's socket: a history call on a silent network fails now."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return
+        # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 class LeaseLock:
-    """Leases in ``jobrun.leases``; no connection is held between statements."""
+    """Leases in ``jobrun.leases``; no connection is held between statements.
+
+    With ``lend``, the connection of an attempt, and that of the release, is lent to the
+    history (``loan``) for the call right after, resp. before, it. WARNING: the attempt's
+    connection then stays open until ``end_loan`` or ``release``: a caller that holds the
+    lease for long (the runner, before the child starts) must call ``end_loan``.
+    """
 
     def __init__(
         self,
@@ -106,8 +165,10 @@ class LeaseLock:
         *,
         ttl: float,
         lifetime: float,
+        lend: bool = False,
     ) -> None:
         self._keys = keys
+        self._lend = lend
         self._target = target
         self._identity = identity
         self._log = log
@@ -116,6 +177,8 @@ class LeaseLock:
         self.confirmed_at = 0.0
         self._app_name = db.application_name(describe(keys))
         self._held = False
+        #: The connection lent to the history between two of our statements.
+        self.loan = Loan()
         #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
         self.stop_request: dict[str, object] | None = None
         self._params = {
@@ -135,29 +198,42 @@ class LeaseLock:
             remaining = deadline - time.monotonic()
             if holder is None or remaining <= 0:
                 return holder
+            self.loan.end()  # nothing is held while we wait
             time.sleep(min(_WAIT_POLL, remaining))
 
     def _try_once(self) -> Holder | None:
-        with (
-            db.connect(self._target, app_name=self._app_name) as conn,
-            db.translate_errors(self._target, "taking the lease"),
-        ):
-            # Deadlines count from when the winning statement was *sent*: never later
-            # than the database's own start of the lease.
+        """One attempt, on a connection then lent to the history (the skip or running row)."""
+        conn = db.connect(self._target, app_name=self._app_name)
+        try:
+            with db.translate_errors(self._target, "taking the lease"):
+                holder = self._attempt(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if self._lend:
+            self.loan.lend(conn)
+        else:
+            conn.close()
+        return holder
+
+    def _attempt(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder | None:
+        """Take every lease (None), or say who holds one."""
+        # Deadlines count from when the winning statement was *sent*: never later
+        # than the database's own start of the lease.
+        sent = time.monotonic()
+        try:
+            taken = self._insert(conn)
+        except errors.UndefinedTable:
+            ensure_schema(conn)
             sent = time.monotonic()
-            try:
-                taken = self._insert(conn)
-            except errors.UndefinedTable:
-                ensure_schema(conn)
-                sent = time.monotonic()
-                taken = self._insert(conn)
-            if taken:
-                self._held = True
-                self.confirmed_at = sent
-                return None
-            if taken is None:
-                return self._session_holder(conn)
-            row = conn.execute(sql.LEASE_HOLDERS, self._params).fetchone()
+            taken = self._insert(conn)
+        if taken:
+            self._held = True
+            self.confirmed_at = sent
+            return None
+        if taken is None:
+            return self._session_holder(conn)
+        row = conn.execute(sql.LEASE_HOLDERS, self._params).fetchone()
         if row is None:  # expired or released between the two statements: try again later
             return Holder(key=describe(self._keys))
         _, label, owner, host, pid, acquired_at, _, expires_at = row
@@ -238,20 +314,54 @@ class LeaseLock:
     def interrupt(self) -> None:
         """Nothing to cut: a renewal hangs only until its connect/keepalive limits fire."""
 
-    def release(self) -> None:
-        """Delete our leases (only ours: a newer owner's lease is left alone)."""
-        if not self._held:
+    def lend(self) -> None:
+        """Open the release's connection now and lend it to the history (the end row).
+
+        Never raises: without it, the end row and the release connect on their own.
+        """
+        if not (self._held and self._lend):
             return
-        self._held = False
         try:
-            with db.connect(self._target, app_name=self._app_name) as conn:
-                conn.execute(sql.LEASE_RELEASE, self._params)
-        except (psycopg.Error, psycopg.Rollback, LockStoreUnavailable) as exc:
-            self._log.warning(
-                "release_failed",
-                error=db.one_line(exc, self._target),
-                note="the lease expires on its own after --ttl",
-            )
+            self.loan.lend(db.connect(self._target, app_name=self._app_name))
+        except (psycopg.Error, LockStoreUnavailable) as exc:
+            self._log.debug("loan_failed", error=db.one_line(exc, self._target))
+
+    def end_loan(self) -> None:
+        """Close the connection lent to the history: none is held while the child runs."""
+        self.loan.end()
+
+    def release(self) -> None:
+        """Delete our leases (only ours: a newer owner's lease is left alone).
+
+        On the connection lent to the history, if there is one (it is closed either way).
+        """
+        lent = self.loan.take()
+        try:
+            if not self._held:
+                return
+            self._held = False
+            try:
+                self._delete(lent)
+            except (psycopg.Error, psycopg.Rollback, LockStoreUnavailable) as exc:
+                self._log.warning(
+                    "release_failed",
+                    error=db.one_line(exc, self._target),
+                    note="the lease expires on its own after --ttl",
+                )
+        finally:
+            if lent is not None:
+                lent.close()
+
+    def _delete(self, lent: psycopg.Connection[tuple[object, ...]] | None) -> None:
+        if lent is not None and not lent.closed and not lent.broken:
+            try:
+                lent.execute(sql.LEASE_RELEASE, self._params)
+            except psycopg.Error:
+                pass  # it broke under the history's call: a fresh one (the delete is idempotent)
+            else:
+                return
+        with db.connect(self._target, app_name=self._app_name) as conn:
+            conn.execute(sql.LEASE_RELEASE, self._params)
 
     def known_lost(self) -> str | None:
         """A lease's loss only shows when a renewal fails: nothing is known in between."""

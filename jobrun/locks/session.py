@@ -77,6 +77,8 @@ class SessionLock:
         self._comment = f"/* jobrun-holder {announcement} */ "
         #: The same, for statements that others (the history) send on this session.
         self.comment = self._comment
+        #: The history's calls need this session: without it they fail (the lock is gone).
+        self.intermittent = False
         self._app_name = db.application_name(describe(keys))
         self.confirmed_at = 0.0
         self._run_id = identity.run_id
@@ -299,6 +301,12 @@ class SessionLock:
         # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
             sock.shutdown(socket.SHUT_RDWR)
+
+    def lend(self) -> None:
+        """The lock session is lent to the history all along: nothing to open."""
+
+    def end_loan(self) -> None:
+        """The lock session stays open while the child runs: nothing to close."""
 
     def release(self) -> None:
         """Unlock what we took (the session might be gone: then the server already did)."""
