@@ -114,7 +114,9 @@ def herd(server: PgServer, dsn: str, *, runs: int, mode: str, history: bool) -> 
                     if parsed["event"] == "lockstore_unavailable":
                         why_69[f"{parsed['reason']}: {parsed['error'][:160]}"] += 1
     counts = collections.Counter(statuses)
+    met = counts[0] == 1 and counts[75] == runs - 1 and events["history_failed"] == 0
     return {
+        "target": "met" if met else "MISSED",
         "mode": mode,
         "runs": runs,
         "history": history,

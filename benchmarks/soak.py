@@ -750,7 +750,32 @@ def main() -> int:
     print(text)
     if args.json:
         args.json.write_text(text + "\n")
+    print(verdict(figures))
     return 1 if any(figures["failures"].values()) else 0
+
+
+#: What one soak must show to count as evidence (the promises, and enough of everything).
+MIN_FAULTS = 1000
+MIN_GUARDED_RUNS = 2000
+
+
+def verdict(figures: dict[str, Any]) -> str:
+    """One line: each target with its figure, and whether all were met."""
+    failures = figures["failures"]
+    checks = [
+        (f"{figures['faults']} faults (>= {MIN_FAULTS})", figures["faults"] >= MIN_FAULTS),
+        (
+            f"{figures['guarded_runs']} guarded runs (>= {MIN_GUARDED_RUNS})",
+            figures["guarded_runs"] >= MIN_GUARDED_RUNS,
+        ),
+        *(
+            (f"{count} {name.replace('_', ' ')} (0)", count == 0)
+            for name, count in failures.items()
+        ),
+    ]
+    met = all(ok for _, ok in checks)
+    shown = "; ".join(f"{text}: {'met' if ok else 'MISSED'}" for text, ok in checks)
+    return f"targets {'MET' if met else 'MISSED'}: {shown}"
 
 
 if __name__ == "__main__":
