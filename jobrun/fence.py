@@ -60,10 +60,12 @@ def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLo
     LockLost or LockStoreUnavailable when that proof cannot be had (the child must then
     not start).
     """
-    from jobrun.locks.session import SessionLock  # noqa: PLC0415 - only with --fence
-
-    shared = lock if isinstance(lock, SessionLock) else None
-    token = take(target, app_name=app_name, shared=shared)
+    # Over the lock session where there is one all along (session mode, slots included);
+    # a lease's loan is closed by now (nothing is held open while the child runs).
+    shared = lock.shared()
+    token = take(
+        target, app_name=app_name, shared=None if shared is None or shared.intermittent else shared
+    )
     lock.check()
     log.info("fence_taken", fence=token)
     return token

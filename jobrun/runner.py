@@ -12,7 +12,6 @@ from jobrun import supervise
 from jobrun.exitcodes import Exit, Interrupted, LockLost, LockStoreUnavailable, from_wait_status
 from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
-from jobrun.slots import SlotLock
 from jobrun.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -185,11 +184,12 @@ class _GuardedRun:
             with supervise.signals_held() as child_mask:
                 self.status = self._run_child(child_mask, watchdog=None, recorder=NoHistory())
             return self.status
-        if holder is None and isinstance(self.lock, SlotLock) and self.lock.lock_id is not None:
+        slot = self.lock.slot_taken() if holder is None else None
+        if slot is not None:
             # The history knows the run by its slot's lock id: a run in another slot of the
             # key is alive, not abandoned.
-            log.info("slot_taken", slot=self.lock.slot, slot_lock_id=self.lock.lock_id)
-            self.recorder.use_lock_ids([self.lock.lock_id])
+            log.info("slot_taken", slot=slot[0], slot_lock_id=slot[1])
+            self.recorder.use_lock_ids([slot[1]])
         if holder is not None:
             log.info("skipped", reason="locked", exit_code=job.skip_exit_code, **holder.fields())
             try:
@@ -291,8 +291,9 @@ class _GuardedRun:
                 recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                 return int(Exit.LOCK_LOST)
         env = child_environment(self.environ, job, self.identity.run_id)
-        if isinstance(self.lock, SlotLock) and self.lock.slot is not None:
-            env["JOBRUN_SLOT"] = str(self.lock.slot)
+        slot = self.lock.slot_taken()
+        if slot is not None:
+            env["JOBRUN_SLOT"] = str(slot[0])
         supervise.become_subreaper()
         started = time.monotonic()
         capture = self.capture

@@ -48,8 +48,7 @@ class SlotLock:
         self._lock_ids = lock_ids
         self._taken: Lock | None = None
         #: The slot taken (0-based) and its lock id, once ``acquire`` succeeded.
-        self.slot: int | None = None
-        self.lock_id: int | None = None
+        self._slot: tuple[int, int] | None = None
 
     @property
     def _lock(self) -> Lock:
@@ -98,8 +97,7 @@ class SlotLock:
             for slot, lock in enumerate(self._locks):
                 found = lock.acquire(0.0)
                 if found is None:
-                    self._taken, self.slot = lock, slot
-                    self.lock_id = self._lock_ids[slot]
+                    self._taken, self._slot = lock, (slot, self._lock_ids[slot])
                     return None
                 lock.end_loan()  # a busy slot's connection is no one's to use
                 holder = holder or found
@@ -119,6 +117,18 @@ class SlotLock:
     def interrupt(self) -> None:
         """Cut the taken slot's check short."""
         self._lock.interrupt()
+
+    def shared(self) -> SlotLock | None:
+        """Itself, standing for the taken slot's session, when the slots lend theirs.
+
+        Session mode: the taken slot's lock session (the history goes over it). Lease mode:
+        None (the slots are tried one after another, so none lends its connections).
+        """
+        return self if self._lock.shared() is not None else None
+
+    def slot_taken(self) -> tuple[int, int] | None:
+        """The slot taken and its lock id (None before ``acquire`` succeeded)."""
+        return self._slot
 
     def lend(self) -> None:
         """Lend the taken slot's release connection (lease mode)."""

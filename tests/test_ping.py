@@ -378,10 +378,11 @@ class TestEndToEnd:
     def test_the_run_path_loads_no_http_client_without_ping(self, dsn, key):
         """Without --ping, urllib.request and http.client are never imported."""
         script = (
-            "import sys, runpy\nsys.argv = ['jobrun', '--key', sys.argv[1], '--', 'true']\n"
-            "try:\n    runpy.run_module('jobrun', run_name='__main__')\nexcept SystemExit:\n"
-            "    pass\nprint(sorted(m for m in sys.modules if m in "
-            "('urllib.request', 'http.client')))"
+            # jobrun ends the process itself: the exit handler reports what was imported.
+            "import atexit, sys, runpy\nsys.argv = ['jobrun', '--key', sys.argv[1], '--', 'true']\n"
+            "atexit.register(lambda: print(sorted(m for m in sys.modules if m in "
+            "('urllib.request', 'http.client'))))\n"
+            "runpy.run_module('jobrun', run_name='__main__')\n"
         )
         proc = subprocess.run(
             [sys.executable, "-c", script, key],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from jobrun import __version__, keys
 from jobrun.cli import options
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
     from jobrun import db
     from jobrun.cli.run import Settings
-    from jobrun.history.calls import SharedSession
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
@@ -206,7 +205,7 @@ def _recorder(
         config=config,
         log=log,
         environ=os.environ,
-        shared=_shared(settings, lock),
+        shared=lock.shared(),
     )
 
 
@@ -226,7 +225,7 @@ def _pause_check(
         app_name="jobrun-pause-check",
         timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
         log=log,
-        shared=_shared(settings, lock),
+        shared=lock.shared(),
         # --no-history: no pause table, no pause; never create the schema for it.
         create_schema=False,
     )
@@ -240,17 +239,3 @@ def _pause_check(
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 
     return check
-
-
-def _shared(settings: Settings, lock: Lock) -> SharedSession | None:
-    """What the lock lends the history.
-
-    Session mode: the lock session (the run's one server session). Lease mode: the
-    connection of the attempt (for the call after it) and of the release (for the call
-    before it); with ``--slots``, nothing (each call connects on its own).
-    """
-    if settings.mode != "session":
-        from jobrun.locks.lease import LeaseLock
-
-        return lock.loan if isinstance(lock, LeaseLock) else None
-    return cast("SharedSession", lock)

@@ -32,19 +32,29 @@ SILENCE_GRACE = 2.0
 class SharedSession(Protocol):
     """A lock's connection, lent to the history.
 
-    Session mode (``locks.session.SessionLock``): the lock session, for the whole run.
-    Lease mode (``locks.lease.Loan``): the connection of the lock's last statement (the
-    attempt) or of its next one (the release), lent only in between; the child never runs
-    with one open.
+    Session mode (``locks.session.SessionLock``; ``slots.SlotLock`` for the slot taken):
+    the lock session, for the whole run. Lease mode (``locks.lease.Loan``): the connection
+    of the lock's last statement (the attempt) or of its next one (the release), lent only
+    in between; the child never runs with one open. What a lock lends is ``Lock.shared()``.
     """
 
-    #: Who holds the lock, as a SQL comment: every statement on the session starts with it,
-    #: so that a run finding the lock held can name us from pg_stat_activity.query.
-    comment: str
-    #: False: the connection is the lock session, and without it (None, closed) the call
-    #: fails: the lock is gone with it. True: a connection is lent only at times, and
-    #: without one the call connects on its own.
-    intermittent: bool
+    @property
+    def comment(self) -> str:
+        """Who holds the lock, as a SQL comment.
+
+        Every statement on the session starts with it, so that a run finding the lock held
+        can name us from pg_stat_activity.query.
+        """
+        ...
+
+    @property
+    def intermittent(self) -> bool:
+        """Whether a connection is lent only at times.
+
+        False: the connection is the lock session, and without it (None, closed) a call
+        fails: the lock is gone with it. True: without one a call connects on its own.
+        """
+        ...
 
     def connection(self) -> Connection | None:
         """The lent connection (None: there is none)."""

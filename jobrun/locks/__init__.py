@@ -6,7 +6,10 @@ import datetime as dt
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from jobrun.history.calls import SharedSession
 
 
 def new_run_id() -> str:
@@ -83,6 +86,18 @@ class Lock(Protocol):
 
     def interrupt(self) -> None:
         """Make a check that hangs on a dead network fail now (called from another thread)."""
+        ...
+
+    def shared(self) -> SharedSession | None:
+        """The connection this lock lends the history's calls (None: they connect on their own).
+
+        Session mode: the lock session itself, for the whole run. Lease mode: the loan of
+        the attempt's and the release's connections (see ``lend``).
+        """
+        ...
+
+    def slot_taken(self) -> tuple[int, int] | None:
+        """With ``--slots``: the slot taken (0-based) and its lock id; otherwise None."""
         ...
 
     def lend(self) -> None:

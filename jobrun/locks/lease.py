@@ -314,6 +314,13 @@ class LeaseLock:
     def interrupt(self) -> None:
         """Nothing to cut: a renewal hangs only until its connect/keepalive limits fire."""
 
+    def shared(self) -> Loan | None:
+        """The loan of our connections, when lending was asked for (else None)."""
+        return self.loan if self._lend else None
+
+    def slot_taken(self) -> None:
+        """No slots here (``slots.SlotLock`` has them)."""
+
     def lend(self) -> None:
         """Open the release's connection now and lend it to the history (the end row).
 

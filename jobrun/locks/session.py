@@ -256,6 +256,13 @@ class SessionLock:
             return "the lock session broke"
         return None
 
+    def shared(self) -> SessionLock:
+        """The lock session itself: the history's calls go over it (one session per run)."""
+        return self
+
+    def slot_taken(self) -> None:
+        """No slots here (``slots.SlotLock`` has them)."""
+
     def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
         """The lock session, for the run's history calls (the run's one server session).
 
