@@ -166,6 +166,26 @@ class TestEndToEnd:
         tokens = [cli.event(p.stderr, "fence_taken")["fence"] for p in (first, proc)]
         assert tokens[1] > tokens[0]
 
+    def test_with_slots_the_token_is_taken_on_the_slots_session(self, fresh_dsn, key):
+        """--fence --slots 2 (session mode): the token rides the taken slot's lock session."""
+        argv = ("--key", key, "--slots", "2", "--fence", "--no-history", "--")
+        first = cli.run(*argv, "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # creates jobrun.fence
+        counter = SessionCounter(fresh_dsn)
+        try:
+            proc = cli.run(
+                *argv, sys.executable, "-c",
+                "import os; print(os.environ['JOBRUN_SLOT'], os.environ['JOBRUN_FENCE'])",
+                dsn=fresh_dsn,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+            assert counter.ended_since_start(1) == 1
+        finally:
+            counter.close()
+        slot, token = proc.stdout.split()
+        assert slot == "0"
+        assert int(token) == cli.event(proc.stderr, "fence_taken")["fence"]
+
     def test_without_fence_there_is_no_token(self, dsn, key):
         """No --fence: no JOBRUN_FENCE, no sequence touched."""
         proc = cli.run(
