@@ -8,6 +8,7 @@ import os
 import random
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -411,6 +412,18 @@ def _pin_settings(conn: Connection) -> None:
         if value.split(",")[0].strip().lower() not in accepted:
             conn.execute(sql.PIN_SETTINGS)
             return
+
+
+def cut(conn: Connection | None) -> None:
+    """Shut ``conn``'s socket down under whoever waits on it (another thread): it fails now.
+
+    The way out of a call that hangs on a silent network; never raises.
+    """
+    if conn is None or conn.closed:
+        return
+    # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def one_line(exc: BaseException, target: Target | None = None) -> str:

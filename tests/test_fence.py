@@ -156,13 +156,10 @@ class TestEndToEnd:
         """Once the sequence exists, a --fence run is still one server session."""
         first = cli.run("--key", key, "--fence", "--no-history", "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # creates jobrun.fence
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             proc = cli.run("--key", key, "--fence", "--no-history", "--", "true", dsn=fresh_dsn)
             assert proc.returncode == 0, proc.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
         tokens = [cli.event(p.stderr, "fence_taken")["fence"] for p in (first, proc)]
         assert tokens[1] > tokens[0]
 
@@ -171,8 +168,7 @@ class TestEndToEnd:
         argv = ("--key", key, "--slots", "2", "--fence", "--no-history", "--")
         first = cli.run(*argv, "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # creates jobrun.fence
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             proc = cli.run(
                 *argv, sys.executable, "-c",
                 "import os; print(os.environ['JOBRUN_SLOT'], os.environ['JOBRUN_FENCE'])",
@@ -180,8 +176,6 @@ class TestEndToEnd:
             )  # fmt: skip
             assert proc.returncode == 0, proc.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
         slot, token = proc.stdout.split()
         assert slot == "0"
         assert int(token) == cli.event(proc.stderr, "fence_taken")["fence"]

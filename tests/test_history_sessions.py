@@ -20,15 +20,12 @@ class TestOneSessionPerRun:
     def test_a_run_with_history_opens_one_session(self, fresh_dsn, key):
         """A guarded run with history (the table exists): one server session, 2 history calls."""
         ensure_runs_table(fresh_dsn)
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run(
                 "--key", key, "--log-level", "debug", "--", "true", dsn=fresh_dsn
             )
             assert result.returncode == 0, result.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
         calls = event(result.stderr, "history_calls")
         print(f"run: history round trips {calls['round_trips']}, sessions {calls['sessions']}")
         assert (calls["round_trips"], calls["sessions"]) == (2, 0)
@@ -36,13 +33,10 @@ class TestOneSessionPerRun:
 
     def test_a_first_run_on_a_fresh_database_opens_one_session(self, fresh_dsn, key):
         """Creating the table on the way costs round trips, never a session."""
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run("--key", key, "--", "true", dsn=fresh_dsn)
             assert result.returncode == 0, result.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"]
 
     def test_a_skip_opens_one_session(self, fresh_dsn, key, tmp_path):
@@ -54,8 +48,7 @@ class TestOneSessionPerRun:
         )
         try:
             wait_for_file(marker)
-            counter = SessionCounter(fresh_dsn)
-            try:
+            with SessionCounter(fresh_dsn) as counter:
                 result = jobrun_cli.run(
                     "--key", key, "--log-level", "debug", "--", "true", dsn=fresh_dsn
                 )
@@ -63,8 +56,6 @@ class TestOneSessionPerRun:
                 jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
                 # The holder's session was established before the count began.
                 assert counter.ended_since_start(1) == 1
-            finally:
-                counter.close()
         finally:
             if holder.poll() is None:
                 jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
@@ -80,13 +71,10 @@ class TestOneSessionPerRun:
         ensure_runs_table(fresh_dsn)
         first = jobrun_cli.run("--key", key, "--once-per", "1d", "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run("--key", key, "--once-per", "1d", "--", "true", dsn=fresh_dsn)
             assert result.returncode == 75, result.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
 
 
 #: A child that writes how many other sessions of its database are open (its own excepted).
@@ -109,16 +97,13 @@ class TestLeaseModeSessions:
         release (with the history's end). Both rows' calls went over them."""
         first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # the schema exists from here on
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run(
                 "--mode", "lease", "--key", key, "--log-level", "debug", "--", "true",
                 dsn=fresh_dsn,
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
             run_sessions = counter.ended_since_start(2)
-        finally:
-            counter.close()
         print(f"lease mode: run {run_sessions} sessions")
         assert run_sessions == 2
         assert "history_failed" not in result.stderr
@@ -150,16 +135,13 @@ class TestLeaseModeSessions:
         )  # fmt: skip
         try:
             wait_for_file(marker)
-            counter = SessionCounter(fresh_dsn)
-            try:
+            with SessionCounter(fresh_dsn) as counter:
                 skip = jobrun_cli.run(
                     "--mode", "lease", "--key", key, "--log-level", "debug", "--", "true",
                     dsn=fresh_dsn,
                 )  # fmt: skip
                 assert skip.returncode == 75, skip.stderr
                 skip_sessions = counter.ended_since_start(1)
-            finally:
-                counter.close()
         finally:
             jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)
         print(f"lease mode: skip {skip_sessions} sessions")
@@ -175,13 +157,10 @@ class TestLeaseModeSessions:
         args = ("--mode", "lease", "--key", key, "--once-per", "1d", "--", "true")
         first = jobrun_cli.run(*args, dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run(*args, dsn=fresh_dsn)
             assert result.returncode == 75, result.stderr
             assert counter.ended_since_start(1) == 1
-        finally:
-            counter.close()
         assert event(result.stderr, "skipped")["reason"] == "already_ran"
         again = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert again.returncode == 0, again.stderr  # the lease was released
@@ -193,13 +172,10 @@ class TestLeaseModeSessions:
         args = ("--mode", "lease", "--key", key, "--min-hold", "1s", "--", "true")
         first = jobrun_cli.run(*args, dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr
-        counter = SessionCounter(fresh_dsn)
-        try:
+        with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run(*args, dsn=fresh_dsn)
             assert result.returncode == 0, result.stderr
             assert counter.ended_since_start(3) == 3
-        finally:
-            counter.close()
         assert event(result.stderr, "holding")["reason"] == "min_hold"
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
 
@@ -215,13 +191,10 @@ class TestLeaseModeSessions:
                 child = jobrun_cli.holder_marker(marker)
                 holders.append(jobrun_cli.start(*args, "--key", key, "--", *child, dsn=fresh_dsn))
                 wait_for_file(marker)
-            counter = SessionCounter(fresh_dsn)
-            try:
+            with SessionCounter(fresh_dsn) as counter:
                 skip = jobrun_cli.run(*args, "--key", key, "--", "true", dsn=fresh_dsn)
                 assert skip.returncode == 75, skip.stderr
                 assert counter.ended_since_start(3) == 3
-            finally:
-                counter.close()
         finally:
             for holder in holders:
                 jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import select
-import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -139,12 +136,7 @@ class Loan:
 
     def interrupt(self) -> None:
         """Cut the lent connection's socket: a history call on a silent network fails now."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            return
-        # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+        db.cut(self._conn)
 
 
 class LeaseLock:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import select
-import socket
 import time
 from typing import TYPE_CHECKING
 
@@ -302,12 +300,7 @@ class SessionLock:
 
     def interrupt(self) -> None:
         """Unblock a check stuck on a dead network by shutting the socket down under it."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            return
-        # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
-        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+        db.cut(self._conn)
 
     def lend(self) -> None:
         """The lock session is lent to the history all along: nothing to open."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import final
+
 import psycopg
 import pytest
 
 from support.jobrun_cli import wait_until
 
 
+@final
 class SessionCounter:
     """Counts the server sessions established to one database (pg_stat_database, PG14+).
 
@@ -48,3 +51,9 @@ class SessionCounter:
 
     def close(self) -> None:
         self.conn.close()
+
+    def __enter__(self) -> SessionCounter:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
