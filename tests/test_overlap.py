@@ -22,6 +22,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobrun import db, overlap
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
+from jobrun.overlap.model import SessionRow
 from support import jobrun_cli, overlap_scenarios
 
 if TYPE_CHECKING:
@@ -480,6 +481,25 @@ class TestCycles:
             )
             is None
         )
+
+    @pytest.mark.parametrize("waiting", [True, False])
+    def test_a_torn_look_is_no_wait(self, waiting):
+        """Blockers beside an activity row that is not waiting are from a later instant.
+
+        pg_stat_activity is one snapshot, pg_blocking_pids() and pg_locks are read after it:
+        a job that sent its next statement in between shows the new blocker beside the old
+        statement. Such a row must not make a wait, nor a cycle with the wrong statement.
+        """
+        row = SessionRow(
+            pid=10, name="jobrun-overlap:A:1", in_transaction=True, holds_lock=True,
+            waiting=waiting, query_start=None, query="UPDATE t SET x = 1 WHERE id = 1",
+            blocked_by=[20], locktype="transactionid", mode="ShareLock", relation=None,
+            ident="7", row_relation="t", row="(0,2)",
+        )  # fmt: skip
+        a = overlap.Session.from_row(row, "A", row.query or "")
+        b = overlap.Session("B", 20, in_transaction=True, query="q", blocked_by=(10,))
+        assert (a.blocked_by, a.lock is not None) == (((20,), True) if waiting else ((), False))
+        assert (overlap.find_cycle([a, b]) is not None) is waiting
 
     def test_wait_sentence(self):
         """The sentence the report prints for one edge."""

@@ -101,8 +101,13 @@ class Session:
     @classmethod
     def from_row(cls, row: SessionRow, job: str, query: str) -> Session:
         """The session of ``job`` that ``row`` shows (``query`` already cleaned for display)."""
+        # pg_stat_activity's columns come from one snapshot of the backends, pg_locks and
+        # pg_blocking_pids() from moments later: a session that began to wait in between
+        # shows its new blockers beside its previous statement. Only a session its own
+        # activity row shows waiting for a lock gets a wait; the next look sees it whole.
+        consistent = row.waiting
         lock = None
-        if row.locktype:
+        if row.locktype and consistent:
             on_row = row.locktype == "transactionid"
             lock = Lock(
                 row.locktype,
@@ -117,7 +122,7 @@ class Session:
             pid=row.pid,
             in_transaction=row.in_transaction,
             query=query,
-            blocked_by=tuple(row.blocked_by or ()),
+            blocked_by=tuple(row.blocked_by or ()) if consistent else (),
             lock=lock,
             holds_lock=row.holds_lock,
             waiting=row.waiting,
