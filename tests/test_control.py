@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from jobrun.keys import lock_id_for
-from jobrun.locks.session import STOP_TABLE_PROBE
+from jobrun.locks import STOP_TABLE_PROBE
 from jobrun.slots import slot_lock_id
 from support import jobrun_cli
 from support.history import rows_of
@@ -105,13 +105,52 @@ class TestStop:
         if mode == "session":
             # The heartbeat has found no table and fallen back to its plain check.
             wait_until(lambda: _plain_check_sent(fresh_dsn, key), what="the plain check")
-        # Session mode looks for the table again every STOP_TABLE_PROBE seconds; lease mode
-        # at every renewal (its interval is below --ttl, 30 s by default).
+        # Both modes look for the table again every STOP_TABLE_PROBE seconds, at their next
+        # heartbeat (lease mode: its renewal interval, below --ttl, 30 s by default).
         wait = STOP_TABLE_PROBE + 30
         result = jobrun_cli.run("stop", key, "--wait", f"{wait}s", dsn=fresh_dsn, timeout=wait + 30)
         _, stderr = proc.communicate(timeout=60)
         assert result.returncode == 0, result.stderr
         assert proc.returncode == 77, stderr
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_a_role_that_may_not_read_stop_requests_keeps_its_lock(
+        self, fresh_dsn, key, role, tmp_path, mode
+    ):
+        """Every table granted but stop_requests: one warning, no failed heartbeat, exit 0."""
+        for owner_mode in MODES:  # the owner's runs create every table
+            owner_run = jobrun_cli.run(
+                "--key", key, "--mode", owner_mode, "--", "true", dsn=fresh_dsn
+            )
+            assert owner_run.returncode == 0, owner_run.stderr
+        dsn = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.runs, jobrun.leases, jobrun.pauses, "
+            "jobrun.expectations TO {role}",
+            "GRANT USAGE ON ALL SEQUENCES IN SCHEMA jobrun TO {role}",
+            database_dsn=fresh_dsn,
+        )
+        marker = tmp_path / "child"
+        log = tmp_path / "jobrun.log"
+        proc = jobrun_cli.start(
+            "--key", key, "--mode", mode, "--heartbeat", "200ms", "--log-file", str(log), "--",
+            "sh", "-c", f'echo $$ > "{marker}"; while [ ! -e "{marker}.go" ]; do sleep 0.05; done',
+            dsn=dsn,
+        )  # fmt: skip
+        wait_for_file(marker)
+        # Logged once the plain check (or renewal) that followed the refused one went through.
+        wait_until(lambda: '"stop_requests_unreadable"' in log.read_text(), what="the warning")
+        (tmp_path / "child.go").touch()
+        proc.communicate(timeout=60)
+        text = log.read_text()
+        assert proc.returncode == 0, text
+        assert [e["event"] for e in events(text)].count("stop_requests_unreadable") == 1
+        assert "heartbeat_failed" not in text
+        assert (
+            "permission denied for table stop_requests"
+            in event(text, "stop_requests_unreadable")["error"]
+        )
+        assert event(text, "finished")["outcome"] == "succeeded"
 
     def test_stop_of_a_free_key_exits_1(self, dsn, key):
         """Nothing holds the key: stop says so and exits 1."""

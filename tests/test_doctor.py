@@ -126,6 +126,27 @@ class TestSchemaAndPrivileges:
         assert row["status"] == "WARN"
         assert "INSERT, UPDATE, DELETE" in row["detail"]
 
+    def test_operators_tables_without_grants_are_named(self, doctor, fresh_dsn, role):
+        """Only runs granted: stop_requests, pauses, expectations each a WARN."""
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            ensure_schema(conn)
+        limited = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.runs TO {role}",
+            database_dsn=fresh_dsn,
+        )
+        rows = findings(doctor(limited, "--json"))
+        assert rows["jobrun.runs"]["status"] == "OK"
+        for table, consequence in (
+            ("stop_requests", "jobrun stop"),
+            ("pauses", "jobrun pause"),
+            ("expectations", "--expect-every"),
+        ):
+            row = rows[f"jobrun.{table}"]
+            assert row["status"] == "WARN", row
+            assert "lacks SELECT, INSERT, UPDATE, DELETE" in row["detail"], row
+            assert consequence in row["detail"], row
+
     def test_a_superuser_is_a_warn(self, doctor, dsn):
         """Running jobs as a superuser is flagged."""
         with psycopg.connect(dsn) as conn:

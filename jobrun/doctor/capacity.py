@@ -54,9 +54,14 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
             )
         ]
     findings = [Finding(OK, "schema", "jobrun schema exists")]
+    # What is lost without the table or its privileges. The operators' tables are made with
+    # the history, often by an owner: a role granted only runs and leases loses these quietly.
     for table, purpose, severity in (
         ("leases", "lease mode", lease_needed if mode == "lease" else OK),
         ("runs", "run history", WARN),
+        ("stop_requests", "jobrun stop (a run of this role cannot be reached)", WARN),
+        ("pauses", "jobrun pause (runs of this role do not see a pause)", WARN),
+        ("expectations", "--expect-every", WARN),
     ):
         present, *privileges = query.one(conn, sql.DOCTOR_TABLE, {"table": table})
         name = f"jobrun.{table}"

@@ -16,7 +16,7 @@ from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
 from jobrun.keys import Key, describe, lock_id_for
-from jobrun.locks import Holder, Identity
+from jobrun.locks import Holder, Identity, StopProbe
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -173,6 +173,7 @@ class LeaseLock:
         self.loan = Loan()
         #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
         self.stop_request: dict[str, object] | None = None
+        self._stop_probe = StopProbe(log)
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
@@ -288,16 +289,26 @@ class LeaseLock:
     def _renew_and_read_stop(self, conn: psycopg.Connection[tuple[object, ...]]) -> int:
         """Renew (how many leases are still ours), reading a ``jobrun stop`` request for us.
 
-        Where the stop requests' table does not exist, the plain renewal (in the same
-        connection: the failed statement ended its own transaction).
+        Where the stop requests cannot be read (see ``StopProbe``), the plain renewal, in
+        the same connection: the failed statement ended its own transaction. A refusal is
+        blamed on the stop requests only once the plain renewal went through.
         """
-        try:
-            row = conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone()
-        except errors.UndefinedTable:
-            return len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
-        if row and row[1] is not None and self.stop_request is None:
-            self.stop_request = json.loads(str(row[1]))
-        return int(str(row[0])) if row else 0
+        refused = None
+        if self._stop_probe.due():
+            try:
+                row = conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone()
+            except errors.UndefinedTable:
+                self._stop_probe.missing()
+            except errors.InsufficientPrivilege as exc:
+                refused = db.one_line(exc, self._target)
+            else:
+                if row and row[1] is not None and self.stop_request is None:
+                    self.stop_request = json.loads(str(row[1]))
+                return int(str(row[0])) if row else 0
+        renewed = len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
+        if refused is not None:
+            self._stop_probe.refused(refused)
+        return renewed
 
     def pause(self, seconds: float, stop_fd: int) -> None:
         """No connection to watch between renewals: just wait."""

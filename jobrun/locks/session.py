@@ -16,7 +16,7 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import Key, describe
-from jobrun.locks import Holder, Identity
+from jobrun.locks import Holder, Identity, StopProbe
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
 #: Without a successful check for this long, we no longer vouch for the session: a cut
 #: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
 CONFIRMATION_LIFETIME = 10.0
-
-#: Without a stop requests' table, look for one again after this long (seconds).
-STOP_TABLE_PROBE = 10.0
 
 #: Longest single blocking wait for a key (lock_timeout's limit is about 24.8 days).
 _WAIT_SLICE = 86400.0
@@ -82,7 +79,7 @@ class SessionLock:
         self._run_id = identity.run_id
         #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
         self.stop_request: dict[str, object] | None = None
-        self._stop_probe_at = 0.0
+        self._stop_probe = StopProbe(log)
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
@@ -229,23 +226,27 @@ class SessionLock:
     ) -> tuple[object, ...] | None:
         """The heartbeat's statement: our locks, and a ``jobrun stop`` request for this run.
 
-        Where the stop requests' table does not exist (yet), the plain check; probed again
-        after a while, so a table created by a first ``jobrun stop`` is found.
+        Where the stop requests cannot be read, the plain check (see ``StopProbe``).
         """
         held = [key.lock_id for key in self._held]
-        now = time.monotonic()
-        if now >= self._stop_probe_at:
+        refused = None
+        if self._stop_probe.due():
             try:
                 row = conn.execute(
                     self._comment + sql.HELD_BY_US_OR_STOP, (held, self._run_id)
                 ).fetchone()
             except errors.UndefinedTable:
-                self._stop_probe_at = now + STOP_TABLE_PROBE
+                self._stop_probe.missing()
+            except errors.InsufficientPrivilege as exc:
+                refused = db.one_line(exc, self._target)
             else:
                 if row and row[1] is not None and self.stop_request is None:
                     self.stop_request = json.loads(str(row[1]))
                 return row
-        return conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()
+        row = conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()
+        if refused is not None:
+            self._stop_probe.refused(refused)
+        return row
 
     def known_lost(self) -> str | None:
         """The lock session broke (a history call on it failed): the server freed our keys."""
