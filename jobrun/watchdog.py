@@ -108,6 +108,7 @@ class Watchdog:
                 self._log.info("heartbeat_recovered", failures=failures)
                 failures = 0
             self.stop_at = sent + self._lock.confirmation_lifetime
+            self._log.debug("lock_confirmed", valid_for=self._lock.confirmation_lifetime)
             if self._lock.stop_request is not None and self.stop_request is None:
                 self.stop_request = self._lock.stop_request
                 self._wake()

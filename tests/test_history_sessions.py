@@ -6,7 +6,7 @@ import sys
 
 from support import jobrun_cli
 from support.history import ensure_runs_table, rows_of
-from support.jobrun_cli import event, wait_for_file
+from support.jobrun_cli import event, events, wait_for_file
 from support.sessions import SessionCounter
 
 
@@ -89,6 +89,17 @@ open(sys.argv[2], "w").write(str(row[0]))
 """
 
 
+#: A child that returns once the lease of its key has been renewed (one session of its own).
+UNTIL_RENEWED = """
+import sys, time, psycopg
+with psycopg.connect(sys.argv[1], autocommit=True) as conn:
+    while not conn.execute(
+        "SELECT renewed_at > acquired_at FROM jobrun.leases WHERE key = %s", (sys.argv[2],)
+    ).fetchone()[0]:
+        time.sleep(0.02)
+"""
+
+
 class TestLeaseModeSessions:
     """Lease mode holds no connection between statements, but lends each to the history."""
 
@@ -110,6 +121,25 @@ class TestLeaseModeSessions:
         calls = event(result.stderr, "history_calls")
         assert (calls["round_trips"], calls["sessions"]) == (2, 0)
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
+
+    def test_each_renewal_opens_one_session(self, fresh_dsn, key):
+        """Attempt and release, plus one per renewal (and the child's own, which waits until
+        it has seen its lease renewed): never more than one connection per renewal."""
+        ensure_runs_table(fresh_dsn)
+        first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # the lease table exists from here on
+        with SessionCounter(fresh_dsn) as counter:
+            result = jobrun_cli.run(
+                "--mode", "lease", "--heartbeat", "200ms", "--key", key, "--log-level", "debug",
+                "--", sys.executable, "-c", UNTIL_RENEWED, fresh_dsn, key, dsn=fresh_dsn,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            renewals = [e for e in events(result.stderr) if e["event"] == "lock_confirmed"]
+            assert renewals, result.stderr
+            sessions = counter.ended_since_start(2 + len(renewals) + 1)
+        print(f"lease mode: {len(renewals)} renewals, {sessions} sessions")
+        assert sessions == 2 + len(renewals) + 1
+        assert "history_failed" not in result.stderr
 
     def test_no_connection_is_open_while_the_lease_child_runs(self, fresh_dsn, key, tmp_path):
         """The attempt's connection, lent to the history's start, is closed before the child
