@@ -258,12 +258,15 @@ class TestEndToEnd:
             f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
             f"sys.argv = ['', {guarded_dsn!r}, 'from A', {str(a_result)!r}]\n" + GUARDED_WRITE
         )
-        lease = ("--mode", "lease", "--ttl", "4s", "--kill-after", "1s", "--fence")
+        # A lease lives 6 s: 4 s of it (less --kill-after and the margin) for A to start its
+        # child and B not much longer to wait. A 4 s lease leaves 2 s, which a loaded
+        # machine's slow start of A can use up (lock lost before the child started).
+        lease = ("--mode", "lease", "--ttl", "6s", "--kill-after", "1s", "--fence")
         holder = cli.start(
             "--key", key, *lease, "--", sys.executable, "-c", a_child, dsn=guarded_dsn
         )
         try:
-            cli.wait_for_file(a_token)
+            cli.wait_for_file(a_token, proc=holder)
             os.kill(holder.pid, signal.SIGSTOP)  # the holder is paused: no renewal, no kill
             b = cli.run(
                 "--key", key, *lease, "--wait", "60s", "--",
@@ -274,7 +277,8 @@ class TestEndToEnd:
             go.touch()
             a_said = cli.wait_for_file(a_result)
         finally:
-            os.kill(holder.pid, signal.SIGCONT)
+            if holder.poll() is None:
+                os.kill(holder.pid, signal.SIGCONT)
             _, holder_stderr = holder.communicate(timeout=60)
         b_token, b_said = b_result.read_text().split()
         assert b_said == "accepted"

@@ -90,11 +90,33 @@ def wait_until(
         time.sleep(0.02)
 
 
-def wait_for_file(path: Path, *, timeout: float = 20.0) -> str:
-    """Wait for ``path`` to exist with a complete first line; return its content."""
-    wait_until(
-        lambda: path.exists() and path.read_text().endswith("\n"), timeout=timeout, what=str(path)
-    )
+def wait_for_file(
+    path: Path, *, timeout: float = 20.0, proc: subprocess.Popen[str] | None = None
+) -> str:
+    """Wait for ``path`` to exist with a complete first line; return its content.
+
+    With ``proc`` (the jobrun whose child writes ``path``), fail at once, with its stderr,
+    when it exits first, and show its stderr on a timeout too.
+    """
+
+    def written() -> bool:
+        if path.exists() and path.read_text().endswith("\n"):
+            return True
+        if proc is not None and proc.poll() is not None:
+            _, stderr = proc.communicate()
+            msg = f"jobrun exited {proc.returncode} before {path} was written:\n{stderr}"
+            raise AssertionError(msg)
+        return False
+
+    try:
+        wait_until(written, timeout=timeout, what=str(path))
+    except AssertionError:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            _, stderr = proc.communicate()
+            msg = f"{path} was not written within {timeout}s; jobrun's stderr:\n{stderr}"
+            raise AssertionError(msg) from None
+        raise
     return path.read_text()
 
 
