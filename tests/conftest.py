@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from support import EXAMPLES_PROPERTY
 from support.pgbouncer import PgBouncer, require_pgbouncer
 from support.pgserver import (
     PgBinNotFoundError,
@@ -61,6 +62,21 @@ def pytest_report_header() -> list[str]:
     except (PgBinNotFoundError, OSError, subprocess.SubprocessError) as exc:
         detail = f"unavailable: {exc}"
     return [f"jobrun test server: private throwaway server, started once per session ({detail})"]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many examples each property test tried (test_properties reports them)."""
+    tried = {
+        value[0]: value[1]
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for name, value in getattr(report, "user_properties", ())
+        if name == EXAMPLES_PROPERTY and getattr(report, "when", None) == "teardown"
+    }
+    if tried:
+        terminalreporter.section("hypothesis examples (jobrun properties)")
+        for name, count in sorted(tried.items()):
+            terminalreporter.write_line(f"{name}: {count} examples")
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from jobrun.cli import main
 from jobrun.exitcodes import Exit
-from support import jobrun_cli
+from support import EXAMPLES_PROPERTY, jobrun_cli
 
 SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show
 #: Nothing listens on port 1: connecting fails at once, so no example needs a server.
@@ -55,23 +55,17 @@ PROCESS_EXAMPLES = 25 if PROFILE == "ci" else 300
 #: pytest-timeout's limit for one whole property test (all of its examples).
 WHOLE_TEST_TIMEOUT = 120 if PROFILE == "ci" else 3600
 
-#: Examples tried per test, reported at the end of the run (whatever -s says).
+#: Examples tried per test. Each test's count goes into its report (user_properties, which
+#: pytest-xdist carries from its workers), and conftest.py prints them at the end of the run.
 TRIED: dict[str, int] = {}
 
 
-class _Summary:
-    """Prints how many examples each property test tried."""
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        terminalreporter.section("hypothesis examples (jobrun properties)")
-        for name, count in sorted(TRIED.items()):
-            terminalreporter.write_line(f"{name}: {count} examples")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _report_examples(pytestconfig):
-    if not pytestconfig.pluginmanager.has_plugin("jobrun-properties-summary"):
-        pytestconfig.pluginmanager.register(_Summary(), "jobrun-properties-summary")
+@pytest.fixture(autouse=True)
+def _report_examples(request):
+    yield
+    name = request.node.originalname
+    if name in TRIED:
+        request.node.user_properties.append((EXAMPLES_PROPERTY, (name, TRIED[name])))
 
 
 def _has_escaped_bytes(text: str) -> bool:
