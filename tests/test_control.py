@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from jobrun.keys import lock_id_for
-from jobrun.locks import STOP_TABLE_PROBE
+from jobrun.locks.stops import STOP_TABLE_PROBE
 from jobrun.slots import slot_lock_id
 from support import jobrun_cli
 from support.history import rows_of

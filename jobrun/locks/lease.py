@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import select
 import time
@@ -16,7 +15,8 @@ from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
 from jobrun.keys import Key, describe, lock_id_for
-from jobrun.locks import Holder, Identity, StopProbe
+from jobrun.locks import Holder, Identity
+from jobrun.locks.stops import StopProbe
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -173,7 +173,7 @@ class LeaseLock:
         self.loan = Loan()
         #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
         self.stop_request: dict[str, object] | None = None
-        self._stop_probe = StopProbe(log)
+        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, target))
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
@@ -276,39 +276,21 @@ class LeaseLock:
         """Renew every lease, owner-checked; a lease that is no longer ours is lost."""
         try:
             with db.connect(self._target, app_name=self._app_name) as conn:
-                renewed = self._renew_and_read_stop(conn)
+                # The renewal also reads a ``jobrun stop`` request for us, where it can.
+                renewed, request = self._stop_probe.check(
+                    lambda: conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone(),
+                    lambda: len(conn.execute(sql.LEASE_RENEW, self._params).fetchall()),
+                )
         except psycopg.Error as exc:
             raise db.unavailable(exc, self._target, "renewing the lease") from None
+        if request is not None and self.stop_request is None:
+            self.stop_request = request
         if renewed != len(self._keys):
             # _held stays True: the leases still ours (just renewed) must be deleted in
             # release(), which is owner-checked and so never touches the lost ones.
             raise LockLost(
                 f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
             )
-
-    def _renew_and_read_stop(self, conn: psycopg.Connection[tuple[object, ...]]) -> int:
-        """Renew (how many leases are still ours), reading a ``jobrun stop`` request for us.
-
-        Where the stop requests cannot be read (see ``StopProbe``), the plain renewal, in
-        the same connection: the failed statement ended its own transaction. A refusal is
-        blamed on the stop requests only once the plain renewal went through.
-        """
-        refused = None
-        if self._stop_probe.due():
-            try:
-                row = conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone()
-            except errors.UndefinedTable:
-                self._stop_probe.missing()
-            except errors.InsufficientPrivilege as exc:
-                refused = db.one_line(exc, self._target)
-            else:
-                if row and row[1] is not None and self.stop_request is None:
-                    self.stop_request = json.loads(str(row[1]))
-                return int(str(row[0])) if row else 0
-        renewed = len(conn.execute(sql.LEASE_RENEW, self._params).fetchall())
-        if refused is not None:
-            self._stop_probe.refused(refused)
-        return renewed
 
     def pause(self, seconds: float, stop_fd: int) -> None:
         """No connection to watch between renewals: just wait."""

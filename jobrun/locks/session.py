@@ -16,7 +16,8 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import Key, describe
-from jobrun.locks import Holder, Identity, StopProbe
+from jobrun.locks import Holder, Identity
+from jobrun.locks.stops import StopProbe
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -79,7 +80,7 @@ class SessionLock:
         self._run_id = identity.run_id
         #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
         self.stop_request: dict[str, object] | None = None
-        self._stop_probe = StopProbe(log)
+        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, target))
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
@@ -203,50 +204,33 @@ class SessionLock:
         return session_holder(key.label, row)
 
     def check(self) -> None:
-        """Prove the session is alive and its backend still holds every key."""
+        """Prove the session is alive and its backend still holds every key.
+
+        The same statement reads a ``jobrun stop`` request for this run, where it can.
+        """
         conn = self._conn
         if conn is None or conn.closed:
             raise LockLost("the lock session is closed")
+        held = [key.lock_id for key in self._held]
         try:
-            row = self._check_and_read_stop(conn)
+            count, request = self._stop_probe.check(
+                lambda: conn.execute(
+                    self._comment + sql.HELD_BY_US_OR_STOP, (held, self._run_id)
+                ).fetchone(),
+                lambda: _count(conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()),
+            )
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise LockLost(
                     f"the lock session broke: {db.one_line(exc, self._target)}"
                 ) from None
             raise db.unavailable(exc, self._target, "checking the lock") from None
-        held = int(str(row[0])) if row else 0
-        if held != len(self._held):
+        if request is not None and self.stop_request is None:
+            self.stop_request = request
+        if count != len(self._held):
             raise LockLost(
-                f"the server no longer shows our advisory lock ({held} of {len(self._held)} held)"
+                f"the server no longer shows our advisory lock ({count} of {len(self._held)} held)"
             )
-
-    def _check_and_read_stop(
-        self, conn: psycopg.Connection[tuple[object, ...]]
-    ) -> tuple[object, ...] | None:
-        """The heartbeat's statement: our locks, and a ``jobrun stop`` request for this run.
-
-        Where the stop requests cannot be read, the plain check (see ``StopProbe``).
-        """
-        held = [key.lock_id for key in self._held]
-        refused = None
-        if self._stop_probe.due():
-            try:
-                row = conn.execute(
-                    self._comment + sql.HELD_BY_US_OR_STOP, (held, self._run_id)
-                ).fetchone()
-            except errors.UndefinedTable:
-                self._stop_probe.missing()
-            except errors.InsufficientPrivilege as exc:
-                refused = db.one_line(exc, self._target)
-            else:
-                if row and row[1] is not None and self.stop_request is None:
-                    self.stop_request = json.loads(str(row[1]))
-                return row
-        row = conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()
-        if refused is not None:
-            self._stop_probe.refused(refused)
-        return row
 
     def known_lost(self) -> str | None:
         """The lock session broke (a history call on it failed): the server freed our keys."""
@@ -399,3 +383,8 @@ def _str_or_none(value: object) -> str | None:
 
 def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _count(row: tuple[object, ...] | None) -> int:
+    """The count a one-row ``SELECT count(*)`` returned."""
+    return int(str(row[0])) if row else 0
