@@ -5,17 +5,11 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from structlog.typing import FilteringBoundLogger
-
     from jobrun.history.calls import SharedSession
-
-#: Without a readable stop requests' table, look for it again after this long (seconds).
-STOP_TABLE_PROBE = 10.0
 
 
 def new_run_id() -> str:
@@ -25,42 +19,6 @@ def new_run_id() -> str:
     raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
     text = raw.hex()
     return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
-
-
-class StopProbe:
-    """When a lock's check also reads this run's ``jobrun stop`` request.
-
-    The read needs the stop requests' table and SELECT on it. Without the table (no run
-    with history and no ``jobrun stop`` here yet) or without the privilege, the check goes
-    on alone, and tries again after STOP_TABLE_PROBE (a table created, a grant added).
-    WARNING: a refused read must never count as a failed check: the lock is fine, and a
-    role nobody granted the table to would otherwise have every run stopped as lock_lost.
-    """
-
-    def __init__(self, log: FilteringBoundLogger) -> None:
-        self._log = log
-        self._next = 0.0
-        self._warned = False
-
-    def due(self) -> bool:
-        """Whether this check should read the stop request too."""
-        return time.monotonic() >= self._next
-
-    def missing(self) -> None:
-        """The table is not there: check alone for a while."""
-        self._next = time.monotonic() + STOP_TABLE_PROBE
-
-    def refused(self, error: str) -> None:
-        """The read was refused and the check alone succeeded: say so once per run."""
-        self.missing()
-        if not self._warned:
-            self._warned = True
-            self._log.warning(
-                "stop_requests_unreadable",
-                error=error,
-                note="jobrun stop cannot reach this run until this role is granted SELECT "
-                "on jobrun.stop_requests; the lock itself is checked as usual",
-            )
 
 
 @dataclass(frozen=True)
