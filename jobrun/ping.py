@@ -108,8 +108,9 @@ class _Ping:
     body: bytes
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
-    #: Set by whoever reports the ping's failure first (the sender, or finish() giving up).
-    reported: threading.Lock = field(default_factory=threading.Lock)
+    #: Held while a failure is being reported (by the sender, or finish() giving up).
+    reporting: threading.Lock = field(default_factory=threading.Lock)
+    reported: bool = False
 
 
 class Pinger:
@@ -203,18 +204,24 @@ class Pinger:
         self._failed(ping, error, attempts=attempt)
 
     def _failed(self, ping: _Ping, error: str | None, *, attempts: int | None) -> None:
-        """One ``ping_failed`` warning per ping, whoever notices first."""
-        if not ping.reported.acquire(blocking=False):
-            return
-        self._log.warning(
-            "ping_failed",
-            ping=ping.kind,
-            url=mask(self.url),
-            error=error,
-            attempts=attempts,
-            timeout=self.timeout,
-            note="the run's exit status is unchanged",
-        )
+        """One ``ping_failed`` warning per ping, whoever notices first.
+
+        WARNING: the other one waits until the line is written: finish() must not return
+        (and jobrun exit) while the sender is still writing it.
+        """
+        with ping.reporting:
+            if ping.reported:
+                return
+            ping.reported = True
+            self._log.warning(
+                "ping_failed",
+                ping=ping.kind,
+                url=mask(self.url),
+                error=error,
+                attempts=attempts,
+                timeout=self.timeout,
+                note="the run's exit status is unchanged",
+            )
 
     def _attempt(self, url: str, ping: _Ping, timeout: float) -> tuple[bool, str | None]:
         """One request: (worth retrying, error or None). Errors never quote the URL."""
