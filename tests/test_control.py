@@ -277,6 +277,44 @@ class TestPause:
         assert {"host", "user", "pid", "since", "until"} <= set(row["paused"])
 
 
+class TestWithoutTheOperatorsTables:
+    """A role granted only runs and leases (as before the operators' tables existed)."""
+
+    @pytest.mark.parametrize("tables", ["dropped", "not granted"])
+    @pytest.mark.parametrize("mode", MODES)
+    def test_history_and_once_per_go_on_without_pauses(self, fresh_dsn, key, role, mode, tables):
+        """One warning per run, no history_failed; --once-per still skips its second run.
+
+        A pause the role cannot read is not seen: the run goes ahead (a pause is an
+        operator's convenience, not a lock), and the warning says so.
+        """
+        for owner_mode in MODES:  # the owner's runs create every table
+            made = jobrun_cli.run("--key", key, "--mode", owner_mode, "--", "true", dsn=fresh_dsn)
+            assert made.returncode == 0, made.stderr
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM jobrun.runs")
+            if tables == "dropped":
+                conn.execute("DROP TABLE jobrun.pauses, jobrun.expectations")
+        if tables == "not granted":
+            paused = jobrun_cli.run("pause", key, dsn=fresh_dsn)
+            assert paused.returncode == 0, paused.stderr
+        dsn = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.runs, jobrun.leases TO {role}",
+            database_dsn=fresh_dsn,
+        )
+        args = ("--key", key, "--mode", mode, "--once-per", "1d", "--expect-every", "1d")
+        first = jobrun_cli.run(*args, "--", "true", dsn=dsn)
+        second = jobrun_cli.run(*args, "--", "true", dsn=dsn)
+        assert (first.returncode, second.returncode) == (0, 75), first.stderr + second.stderr
+        for result in (first, second):
+            assert "history_failed" not in result.stderr, result.stderr
+            warning = event(result.stderr, "control_tables_unavailable")
+            assert "no pause" in warning["note"]
+        assert event(second.stderr, "skipped")["reason"] == "already_ran"
+        assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["skipped", "succeeded"]
+
+
 class TestOverdue:
     """--expect-every and status --check."""
 

@@ -120,6 +120,14 @@ class Recorder:
                 sql.EXPECTATION,
             ),
             {**self._row, "window": once_per},
+            without_control=(
+                sql.RUNS_ABANDON,
+                sql.RUNS_ALREADY_RAN,
+                sql.NO_ROWS,
+                sql.RUNS_ACQUIRED_UNPAUSED,
+                sql.RUNS_SKIPS_RECOVERED,
+                sql.NO_ROWS,
+            ),
         )
         if result is None:
             if once_per is not None:

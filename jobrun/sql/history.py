@@ -82,21 +82,27 @@ LIMIT 1
 """
 RUNS_ALREADY_RAN = _EARLIER
 
-#: Our ``running`` row, unless an earlier run makes us redundant or the key is paused; with
-#: the database's count of deadlocks so far, so that the end of the run can say how many
-#: happened during it.
-#: (Composed of constants only: no input is ever formatted into SQL.)
-RUNS_ACQUIRED = f"""
+_ACQUIRED = """
 INSERT INTO jobrun.runs
     (run_id, key, lock_ids, mode, host, pid, program, started_at, outcome)
 SELECT %(run_id)s, %(key)s, %(lock_ids)s::int8[], %(mode)s, %(host)s, %(pid)s, %(program)s,
        clock_timestamp(), 'running'
-WHERE NOT EXISTS ({_EARLIER}) AND NOT EXISTS ({PAUSES_IN_FORCE})
+WHERE NOT EXISTS ({earlier}){unpaused}
 ON CONFLICT (run_id) DO NOTHING
 RETURNING started_at,
           (SELECT deadlocks FROM pg_stat_database WHERE datname = current_database())
               AS deadlocks
-"""  # noqa: S608 - constants only
+"""
+
+#: Our ``running`` row, unless an earlier run makes us redundant or the key is paused; with
+#: the database's count of deadlocks so far, so that the end of the run can say how many
+#: happened during it.
+#: (Composed of constants only: no input is ever formatted into SQL.)
+RUNS_ACQUIRED = _ACQUIRED.format(earlier=_EARLIER, unpaused=f" AND NOT EXISTS ({PAUSES_IN_FORCE})")
+#: The same for a role that cannot use the pauses' table (it sees no pause).
+RUNS_ACQUIRED_UNPAUSED = _ACQUIRED.format(earlier=_EARLIER, unpaused="")
+#: A statement that returns no rows: holds a result's place in a message.
+NO_ROWS = "SELECT WHERE false"
 
 #: The skip streaks of this key that alerted end now (a run got the lock): claimed by exactly
 #: one run, which reports each one's length and start once (``recovered``).
