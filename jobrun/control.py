@@ -8,7 +8,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from psycopg import errors
 
@@ -23,10 +23,13 @@ from jobrun.status import lock_ids_of
 
 if TYPE_CHECKING:
     import datetime as dt
+    from collections.abc import Callable
 
     import psycopg
 
     Connection = psycopg.Connection[Any]
+
+T = TypeVar("T")
 
 #: How often ``stop`` looks whether the run has let go of its lock.
 STOP_POLL = 0.2
@@ -75,13 +78,25 @@ class StopResult:
     took_lock: bool = False
 
 
+def _creating_tables(conn: Connection, write: Callable[[], T]) -> T:
+    """``write()``, creating jobrun's tables first only where they are missing.
+
+    Creating them needs CREATE on the database (``CREATE SCHEMA IF NOT EXISTS`` asks for it
+    even when the schema is there): a role granted the tables by their owner writes to
+    them without it. The connection is in autocommit, so a failed write ended its own
+    transaction.
+    """
+    try:
+        return write()
+    except (errors.UndefinedTable, errors.InvalidSchemaName):
+        ensure_schema(conn)
+        return write()
+
+
 def request_stop(conn: Connection, label: str, holder: Holder, reason: str | None) -> None:
     """Write the stop request for ``holder``'s run (its heartbeat reads it)."""
-    ensure_schema(conn)
-    conn.execute(
-        sql.STOP_REQUEST,
-        {"run_id": holder.run_id, "key": label, "reason": reason, **who_asks()},
-    )
+    params = {"run_id": holder.run_id, "key": label, "reason": reason, **who_asks()}
+    _creating_tables(conn, lambda: conn.execute(sql.STOP_REQUEST, params))
     conn.execute(sql.STOP_REQUESTS_PRUNE)
 
 
@@ -134,9 +149,9 @@ def pause(
     reason: str | None,
 ) -> tuple[str | None, str | None]:
     """Pause ``label`` (for ``seconds``, until ``until``, or until resumed): (since, until)."""
-    ensure_schema(conn)
     params = {"key": label, "reason": reason, "for": seconds, "until": until, **who_asks()}
-    row = conn.execute(sql.PAUSE if until is None else sql.PAUSE_UNTIL, params).fetchone()
+    statement = sql.PAUSE if until is None else sql.PAUSE_UNTIL
+    row = _creating_tables(conn, lambda: conn.execute(statement, params).fetchone())
     return (iso(row[0]), iso(row[1])) if row else (None, None)
 
 

@@ -315,6 +315,64 @@ class TestWithoutTheOperatorsTables:
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["skipped", "succeeded"]
 
 
+class TestARoleWithoutCreate:
+    """Operators whose role was granted jobrun's tables but may not create anything."""
+
+    @staticmethod
+    def _granted_role(role, fresh_dsn: str, key: str) -> str:
+        for owner_mode in MODES:  # the owner's runs create every table
+            made = jobrun_cli.run("--key", key, "--mode", owner_mode, "--", "true", dsn=fresh_dsn)
+            assert made.returncode == 0, made.stderr
+        return role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA jobrun TO {role}",
+            database_dsn=fresh_dsn,
+        )
+
+    def test_stop_pause_and_resume_need_no_create(self, fresh_dsn, key, role, tmp_path):
+        """The tables are there and granted: stop, pause and resume work (they once asked
+        for CREATE on the database first, and exited 69)."""
+        dsn = self._granted_role(role, fresh_dsn, key)
+        marker = tmp_path / "child"
+        proc = _holder(key, "session", marker, "--heartbeat", "200ms", dsn=dsn)
+        try:
+            wait_for_file(marker, proc=proc)
+            stopped = jobrun_cli.run("stop", key, dsn=dsn)
+            assert stopped.returncode == 0, stopped.stderr
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
+        assert proc.returncode == 77, stderr
+        paused = jobrun_cli.run("pause", key, dsn=dsn)
+        assert paused.returncode == 0, paused.stderr
+        skipped = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
+        assert skipped.returncode == 75, skipped.stderr
+        assert event(skipped.stderr, "skipped")["reason"] == "paused"
+        resumed = jobrun_cli.run("resume", key, dsn=dsn)
+        assert resumed.returncode == 0, resumed.stderr
+
+    def test_stop_says_why_it_cannot_name_another_roles_run(self, fresh_dsn, key, role, tmp_path):
+        """A run of another role hides its statements (where a run names itself): stop
+        says what to grant, exits 3, and the run goes on."""
+        dsn = self._granted_role(role, fresh_dsn, key)
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute("SELECT pg_has_role('pg_read_all_stats', 'MEMBER')").fetchone()
+        if row and row[0]:
+            pytest.skip("the test role can read every session (superuser server default?)")
+        marker = tmp_path / "child"
+        proc = _holder(key, "session", marker, dsn=fresh_dsn)
+        try:
+            wait_for_file(marker, proc=proc)
+            result = jobrun_cli.run("stop", key, dsn=dsn)
+            assert result.returncode == 3, result.stderr
+            assert "a jobrun session of another role" in result.stderr
+            assert "pg_read_all_stats" in result.stderr
+            assert proc.poll() is None
+        finally:
+            jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
+
+
 class TestOverdue:
     """--expect-every and status --check."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,6 +11,9 @@ from jobrun.cli import options
 from jobrun.cli.group import Subcommand
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import Exit, UsageError
+
+if TYPE_CHECKING:
+    from jobrun.locks import Holder
 
 #: ``stop --wait`` by default: the default --kill-after (10 s), the heartbeat that delivers
 #: the request (the session confirmation lifetime, 10 s) and a margin.
@@ -66,12 +70,9 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
             return int(Exit.ATTENTION)
         who = f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})"
         if holder.run_id is None:
-            # Not a jobrun run (or one that does not announce itself): it cannot read a request.
-            click.echo(
-                f"jobrun: {key_label} is held by a session that is not a jobrun run "
-                f"(backend pid {holder.backend_pid}): it cannot be asked to stop",
-                err=True,
-            )
+            # No run id to address a request to: not a jobrun run, or one whose statements
+            # (where a run announces itself) this role may not see.
+            click.echo(f"jobrun: {key_label} is held by {_unaddressable(holder)}", err=True)
             if force:
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
@@ -169,3 +170,18 @@ def _time(text: str) -> dt.datetime:
     if when <= dt.datetime.now(dt.timezone.utc):
         raise UsageError(f"--until {text!r} is in the past")
     return when
+
+
+def _unaddressable(holder: Holder) -> str:
+    """Who holds the key, for a holder without a run id, and why it cannot be asked."""
+    name = holder.application_name or ""
+    if name.startswith("jobrun:"):
+        return (
+            f"a jobrun session of another role (backend pid {holder.backend_pid}, "
+            f"application_name {name}) whose run id this role cannot see: grant it "
+            "pg_read_all_stats, or run stop as that role"
+        )
+    return (
+        f"a session that is not a jobrun run (backend pid {holder.backend_pid}): "
+        "it cannot be asked to stop"
+    )
