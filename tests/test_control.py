@@ -11,7 +11,7 @@ from jobrun.keys import lock_id_for
 from jobrun.locks.stops import STOP_TABLE_PROBE
 from jobrun.slots import slot_lock_id
 from support import jobrun_cli
-from support.history import rows_of
+from support.history import ensure_runs_table, rows_of
 from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 MODES = ("session", "lease")
@@ -450,6 +450,19 @@ class TestOverdue:
         result = jobrun_cli.run("status", key, "--check", dsn=dsn)
         assert result.returncode == 1
         assert f"overdue: {key}" in result.stderr
+
+    def test_a_check_that_cannot_read_the_history_is_no_all_clear(self, dsn, role):
+        """A role refused the jobrun schema: --check names what it could not read, exit 1;
+        without --check the same notes, exit 0."""
+        ensure_runs_table(dsn)
+        refused = role()
+        checked = jobrun_cli.run("status", "--check", dsn=refused)
+        assert checked.returncode == 1, checked.stderr
+        assert "jobrun: cannot check: run history not readable" in checked.stderr
+        assert "nothing to show: run history" in checked.stdout
+        plain = jobrun_cli.run("status", dsn=refused)
+        assert plain.returncode == 0, plain.stderr
+        assert "run history not readable" in plain.stderr
 
 
 class TestSlots:

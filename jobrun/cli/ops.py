@@ -14,7 +14,8 @@ from jobrun.exitcodes import Exit, UsageError
 @click.option(
     "--check",
     is_flag=True,
-    help="Exit 1 if a key is overdue, failing or stuck (each named on stderr).",
+    help="Exit 1 if a key is overdue, failing or stuck, or the history cannot be read "
+    "(each named on stderr).",
 )
 @click.option(
     "--alert-after",
@@ -55,10 +56,14 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
         click.echo(json.dumps([row.as_json() for row in found.keys], indent=2))
     elif found.keys:
         click.echo(status.status_table(found.keys))
+    elif found.unreadable:
+        click.echo(f"nothing to show: {', '.join(found.unreadable)} not readable")
     else:
         click.echo("nothing held, no run history")
     if check:
-        problems = status.check_lines(found.keys, alert_after)
+        # A check that could not look is no all-clear (the notes above say what was refused).
+        problems = [f"cannot check: {what} not readable" for what in found.unreadable]
+        problems += status.check_lines(found.keys, alert_after)
         for line in problems:
             click.echo(f"jobrun: {line}", err=True)
         return int(Exit.ATTENTION) if problems else 0

@@ -11,7 +11,7 @@ import psycopg
 from psycopg import errors
 from psycopg.rows import dict_row
 
-from jobrun import keys, sql
+from jobrun import db, keys, sql
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
@@ -128,6 +128,9 @@ class Report:
 
     keys: list[KeyStatus]
     notes: list[str]
+    #: What this role was refused (run history, leases, pauses and expectations): a
+    #: ``status --check`` that could not look must not say all is well.
+    unreadable: list[str] = field(default_factory=list)
 
 
 def lock_ids_of(label: str) -> list[int]:
@@ -150,14 +153,15 @@ def _lock_id_of(part: str) -> int:
 def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     """Status of ``labels``, or of every key in history, leased or held by a jobrun session."""
     notes: list[str] = []
-    history = _history(conn, labels, notes)
-    leases = _leases(conn, notes)
+    unreadable: list[str] = []
+    history = _history(conn, labels, notes, unreadable)
+    leases = _leases(conn, notes, unreadable)
     advisory = _advisory(conn)
     rows: dict[str, KeyStatus] = {}
     for label in labels or history:
         found = history.get(label)
         rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
-    controls = _controls(conn, labels, notes)
+    controls = _controls(conn, labels, notes, unreadable)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
         for label in controls:
@@ -174,7 +178,7 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
                 break
     _add_slots(rows.values(), {**advisory, **leases})
     ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
-    return Report(keys=ordered, notes=notes)
+    return Report(keys=ordered, notes=notes, unreadable=unreadable)
 
 
 def _add_slots(rows: Iterable[KeyStatus], held: dict[int, tuple[str | None, Holder]]) -> None:
@@ -208,7 +212,15 @@ def _add_unknown_holders(
         covered.add(lock_id)
 
 
-def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, KeyStatus]:
+def _refused(what: str, exc: Exception, notes: list[str], unreadable: list[str]) -> None:
+    """Note that ``what`` could not be read for want of a privilege."""
+    notes.append(f"{what} not readable: {db.one_line(exc)}")
+    unreadable.append(what)
+
+
+def _history(
+    conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
+) -> dict[str, KeyStatus]:
     params = {"all": not labels, "keys": list(labels)}
     try:
         rows = _read(conn, sql.STATUS_HISTORY, params)
@@ -216,7 +228,7 @@ def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[
         notes.append("no run history yet (the jobrun.runs table does not exist)")
         return {}
     except errors.InsufficientPrivilege as exc:
-        notes.append(f"run history not readable: {' '.join(str(exc).split())}")
+        _refused("run history", exc, notes, unreadable)
         return {}
     found: dict[str, KeyStatus] = {}
     for row in rows:
@@ -239,7 +251,9 @@ def _history(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[
     return found
 
 
-def _controls(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict[str, Row]:
+def _controls(
+    conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
+) -> dict[str, Row]:
     """Pauses, expectations and running runs: status fields by key label."""
     params = {"all": not labels, "keys": list(labels)}
     try:
@@ -249,7 +263,7 @@ def _controls(conn: Connection, labels: Sequence[str], notes: list[str]) -> dict
     except errors.UndefinedTable:
         return {}
     except errors.InsufficientPrivilege as exc:
-        notes.append(f"pauses and expectations not readable: {' '.join(str(exc).split())}")
+        _refused("pauses and expectations", exc, notes, unreadable)
         return {}
     found: dict[str, Row] = {}
     for pause in pauses:
@@ -280,14 +294,16 @@ def _read(conn: Connection, query: str, params: dict[str, Any] | None = None) ->
         return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()
 
 
-def _leases(conn: Connection, notes: list[str]) -> dict[int, tuple[str | None, Holder]]:
+def _leases(
+    conn: Connection, notes: list[str], unreadable: list[str]
+) -> dict[int, tuple[str | None, Holder]]:
     """Unexpired leases by lock id, with the key label each was taken under."""
     try:
         rows = _read(conn, sql.STATUS_LEASES)
     except errors.UndefinedTable:
         return {}
     except errors.InsufficientPrivilege as exc:
-        notes.append(f"leases not readable: {' '.join(str(exc).split())}")
+        _refused("leases", exc, notes, unreadable)
         return {}
     return {
         row["lock_id"]: (
