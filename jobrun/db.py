@@ -53,6 +53,9 @@ REFUSED = "refused"
 _URI_PREFIXES = ("postgresql://", "postgres://")
 # The patterns below are used on error paths only: plain strings, compiled (and cached by
 # ``re``) the first time they are needed, not at every start of a run.
+#: The position PostgreSQL adds under a statement's error ("LINE 4: FROM jobrun.runs", then a
+#: line with a caret): jobrun's own SQL, which tells a user nothing.
+_ERROR_POSITION = r"\nLINE \d+: [^\n]*\n[ \t]*\^[^\n]*"
 # The userinfo of a URI ends at the *last* "@" before the host: a raw "@" in a password must
 # not leave its tail in the clear.
 _MASK_URI = r"(\bpostgres(?:ql)?://[^:/@\s]*:)[^\s/]*@"
@@ -427,8 +430,9 @@ def cut(conn: Connection | None) -> None:
 
 
 def one_line(exc: BaseException, target: Target | None = None) -> str:
-    """An exception as one line with passwords masked."""
-    text = " ".join(safe_text(str(exc)).split()) or type(exc).__name__
+    """An exception as one line with passwords masked (and without the SQL's position)."""
+    text = re.sub(_ERROR_POSITION, "", str(exc))
+    text = " ".join(safe_text(text).split()) or type(exc).__name__
     return redact(text, target.secrets if target else ())
 
 

@@ -10,7 +10,8 @@ class Exit(enum.IntEnum):
     """Exit statuses jobrun itself chooses; otherwise it passes on the child's status."""
 
     OK = 0
-    #: ``status --check``: a key is overdue, failing or stuck; ``stop``: nothing held KEY.
+    #: ``status --check``: a key is overdue, failing or stuck, or the history is unreadable;
+    #: ``stop``: nothing held KEY.
     ATTENTION = 1
     #: ``stop``: the run did not end within ``--wait`` (with ``--force``: its lock was taken).
     NOT_ENDED = 3
@@ -70,7 +71,8 @@ TABLE: tuple[tuple[str, str], ...] = (
     (
         str(Exit.ATTENTION.value),
         (
-            "`jobrun status --check`: a key is overdue, failing or stuck; `jobrun stop`: "
+            "`jobrun status --check`: a key is overdue, failing or stuck, or the history cannot be "
+            "read; `jobrun stop`: "
             "nothing held the key"
         ),
     ),
@@ -160,3 +162,18 @@ class Interrupted(JobrunError):
         super().__init__(f"interrupted by {name}{': ' + detail if detail else ''}")
         self.signum = signum
         self.exit_code = signal_status(signum)
+
+
+def interruption(exc: BaseException) -> Interrupted | None:
+    """The Interrupted that ``exc`` is, or that Python wrapped in it, else None.
+
+    WARNING: Python 3.10 and 3.11 turn whatever a ``__set_name__`` raises into RuntimeError
+    ("Error calling __set_name__ ..."): a stop signal whose handler raises while an import
+    creates a dataclass with field defaults arrives wrapped, as the cause.
+    """
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, Interrupted):
+            return cause
+        cause = cause.__cause__
+    return None

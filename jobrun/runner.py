@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jobrun import supervise
-from jobrun.exitcodes import Exit, Interrupted, LockLost, LockStoreUnavailable, from_wait_status
+from jobrun.exitcodes import (
+    Exit,
+    Interrupted,
+    LockLost,
+    LockStoreUnavailable,
+    from_wait_status,
+    interruption,
+)
 from jobrun.history.notify import NoHistory
 from jobrun.keys import Key, describe
 from jobrun.watchdog import Watchdog
@@ -134,7 +141,10 @@ def run(
     try:
         with _interruptible():
             return guarded.run()
-    except Interrupted as exc:
+    except Exception as raised:  # Interrupted, or Interrupted that Python wrapped
+        exc = interruption(raised)
+        if exc is None:
+            raise
         if guarded.status is not None:
             # The signal came after the run was over (the lock already released): the
             # child's status stands.

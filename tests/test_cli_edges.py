@@ -124,6 +124,45 @@ class TestSignalsAtStartUp:
         assert result.stdout == ""
 
 
+#: A sitecustomize that sends SIGINT from inside dataclasses.Field.__set_name__, while a
+#: class of module $SIGINT_AT_SET_NAME is created (the handler runs inside that call).
+SIGINT_AT_SET_NAME = """
+import dataclasses, os, _signal
+TARGET = os.environ.get("SIGINT_AT_SET_NAME")
+_set_name = dataclasses.Field.__set_name__
+
+def __set_name__(self, owner, name):
+    if owner.__module__ == TARGET:
+        os.kill(os.getpid(), _signal.SIGINT)
+        for _ in range(100_000):  # the handler runs at one of these bytecodes
+            pass
+    return _set_name(self, owner, name)
+
+dataclasses.Field.__set_name__ = __set_name__
+"""
+
+
+class TestSignalsInsideAnImportedClass:
+    """Python 3.10/3.11 wrap what __set_name__ raises in RuntimeError: still a signal's exit."""
+
+    def test_ctrl_c_while_structlog_creates_a_dataclass(self, tmp_path, dsn, key):
+        """Ctrl-C while structlog's tracebacks module builds its dataclasses (a run's start,
+        found by the chaos soak as exit 70): 130, no internal error, the child never ran."""
+        (tmp_path / "sitecustomize.py").write_text(SIGINT_AT_SET_NAME)
+        env = jobrun_cli.environment(dsn, {"SIGINT_AT_SET_NAME": "structlog.tracebacks"})
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(tmp_path), env.get("PYTHONPATH", "")])
+        )
+        marker = tmp_path / "ran"
+        result = subprocess.run(
+            [*jobrun_cli.JOBRUN, "--key", key, "--", "touch", str(marker)],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert result.returncode == 128 + signal.SIGINT, result.stderr
+        assert "internal error" not in result.stderr
+        assert not marker.exists()
+
+
 class TestHelpAndVersionSubcommands:
     """`jobrun help [SUBCOMMAND]` and `jobrun version` instead of "unknown subcommand"."""
 

@@ -365,3 +365,14 @@ class TestBytesThatAreNotUtf8:
             env={"PGAPPNAME": "app\udcff"},
         )
         assert result.returncode == 0, result.stderr
+
+
+class TestOneLine:
+    """A server's error as one line: its words, not the position in jobrun's SQL."""
+
+    def test_the_position_under_a_statement_is_left_out(self, dsn):
+        """ "LINE 2: FROM nowhere_at_all" and its caret line say nothing to a user."""
+        with psycopg.connect(dsn) as conn, pytest.raises(psycopg.Error) as caught:
+            conn.execute("SELECT 1\nFROM nowhere_at_all")
+        assert "LINE 2:" in str(caught.value)  # the server did add it
+        assert db.one_line(caught.value) == 'relation "nowhere_at_all" does not exist'

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import click
 
 from jobrun.cli.run import cli
-from jobrun.exitcodes import Exit, JobrunError, OutputError, PipeClosed, signal_status
+from jobrun.exitcodes import (
+    Exit,
+    JobrunError,
+    OutputError,
+    PipeClosed,
+    interruption,
+    signal_status,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -70,11 +77,36 @@ def _status_of(argv: list[str] | None) -> int:
     except click.Abort:
         return signal_status(SIGINT)
     except Exception as exc:  # a bug: one line, and the traceback only when asked for
-        if os.environ.get("JOBRUN_DEBUG"):
+        wrapped = _wrapped_signal_exit(exc)
+        if wrapped is None and os.environ.get("JOBRUN_DEBUG"):
             raise
-        _error(f"internal error: {type(exc).__name__}: {exc} (set JOBRUN_DEBUG=1 for details)")
-        return Exit.INTERNAL
+        return wrapped if wrapped is not None else _internal_error(exc)
     return int(status or 0)
+
+
+def _internal_error(exc: Exception) -> int:
+    _error(f"internal error: {type(exc).__name__}: {exc} (set JOBRUN_DEBUG=1 for details)")
+    return Exit.INTERNAL
+
+
+def _wrapped_signal_exit(exc: BaseException) -> int | None:
+    """The status of a signal's exit that Python wrapped in another exception, if it was one.
+
+    WARNING: Python 3.10 and 3.11 turn whatever a ``__set_name__`` raises into RuntimeError
+    ("Error calling __set_name__ ..."): a Ctrl-C (SystemExit) or a stop signal (Interrupted)
+    that lands while an import creates a dataclass with field defaults (structlog's, at
+    start-up) arrives as that. It is the signal's exit, not a bug.
+    """
+    interrupted = interruption(exc)
+    if interrupted is not None:
+        _error(str(interrupted))
+        return interrupted.exit_code
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, SystemExit):
+            return cause.code if isinstance(cause.code, int) else Exit.INTERNAL
+        cause = cause.__cause__
+    return None
 
 
 class _CheckedStdout(io.TextIOWrapper):
