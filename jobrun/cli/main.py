@@ -92,10 +92,8 @@ def _internal_error(exc: Exception) -> int:
 def _wrapped_signal_exit(exc: BaseException) -> int | None:
     """The status of a signal's exit that Python wrapped in another exception, if it was one.
 
-    WARNING: Python 3.10 and 3.11 turn whatever a ``__set_name__`` raises into RuntimeError
-    ("Error calling __set_name__ ..."): a Ctrl-C (SystemExit) or a stop signal (Interrupted)
-    that lands while an import creates a dataclass with field defaults (structlog's, at
-    start-up) arrives as that. It is the signal's exit, not a bug.
+    A stop signal's Interrupted, or a Ctrl-C's SystemExit (``_raise_exit``), raised inside a
+    ``__set_name__`` arrives wrapped (see ``exitcodes.interruption``): not a bug.
     """
     interrupted = interruption(exc)
     if interrupted is not None:
