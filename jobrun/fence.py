@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from psycopg import errors
 
 from jobrun import db, sql
-from jobrun.locks.lease import SCHEMA_LOCK_ID
+from jobrun.keys import SCHEMA_LOCK_ID
 
 if TYPE_CHECKING:
     import psycopg

@@ -258,7 +258,7 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
 
     from jobrun import db, sql  # noqa: PLC0415
     from jobrun.exitcodes import LockStoreUnavailable  # noqa: PLC0415
-    from jobrun.locks.lease import SCHEMA_LOCK_ID  # noqa: PLC0415
+    from jobrun.keys import SCHEMA_LOCK_ID  # noqa: PLC0415
 
     params = {"run_id": run_id, "stdout": capture.stdout_tail, "stderr": capture.stderr_tail}
     bounded = dataclasses.replace(

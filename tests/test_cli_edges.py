@@ -229,6 +229,48 @@ class TestSubcommandsLoadWhenUsed:
         assert not imported & set(self.SUBCOMMAND_MODULES)
         assert ("jobrun.cli.tools" in imported) == (argv[0] == "key")
 
+    #: Modules only some runs need: each is imported by the option (or mode) that uses it.
+    OPTIONAL_RUN_MODULES = (
+        "jobrun.alerts",  # --on-alert
+        "jobrun.metrics",  # --metrics-file
+        "jobrun.ping",  # --ping
+        "jobrun.tail",  # --keep-output
+        "jobrun.fence",  # --fence
+        "jobrun.slots",  # --slots
+        "jobrun.locks.lease",  # --mode lease
+    )
+
+    def test_a_plain_run_imports_only_what_it_uses(self, dsn, key):
+        """A session-mode run with history imports no subcommand and no optional module."""
+        imported = self._imported_by_run(dsn, "--key", key, "--", "true")
+        assert "jobrun.runner" in imported  # the report did see the run's own modules
+        assert not imported & {*self.SUBCOMMAND_MODULES, *self.OPTIONAL_RUN_MODULES}
+
+    def test_each_option_imports_its_module(self, dsn, key, tmp_path):
+        """The optional modules are the ones those options use (the list above is not stale)."""
+        imported = self._imported_by_run(
+            dsn,
+            *("--key", key, "--mode", "lease", "--fence", "--keep-output", "1KiB"),
+            *("--metrics-file", str(tmp_path / "m.prom"), "--on-alert", "true"),
+            *("--ping", "http://127.0.0.1:9/", "--ping-timeout", "100ms", "--", "true"),
+        )
+        assert set(self.OPTIONAL_RUN_MODULES) - imported == {"jobrun.slots"}
+        assert "jobrun.slots" in self._imported_by_run(
+            dsn, "--key", key, "--slots", "2", "--", "true"
+        )
+
+    def _imported_by_run(self, dsn: str, *argv: str) -> set[str]:
+        result = subprocess.run(
+            [sys.executable, "-c", self.REPORT_MODULES, *argv],
+            env=jobrun_cli.environment(dsn),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        return {line for line in result.stderr.split() if line.startswith("jobrun")}
+
     def test_every_summary_is_the_commands_own(self):
         """The one-line help --help shows without importing is each command's own."""
         context = click.Context(cli)

@@ -45,6 +45,10 @@ class TestLockIds:
         assert row is not None
         assert row[0] == lock_id
 
+    def test_the_schema_lock_is_its_keys_id(self):
+        """The schema's lock id, written out in jobrun.keys, is the id of "jobrun:schema"."""
+        assert keys.lock_id_for("jobrun:schema") == keys.SCHEMA_LOCK_ID
+
     def test_pg_locks_pair_matches_what_postgres_shows(self, dsn):
         """classid/objid as printed by `jobrun key` are how pg_locks shows the lock."""
         key = keys.from_name("nightly-export")  # a negative id: classid is not 0

@@ -169,15 +169,19 @@ def _recorder(
     """
     from pathlib import Path
 
-    from jobrun import alerts
     from jobrun.history import notify, recorder
     from jobrun.history.config import HistoryConfig
 
+    on_alert = None
+    if settings.on_alert:
+        from jobrun import alerts  # only a run with --on-alert pays for it (and shlex)
+
+        on_alert = alerts.parse_command(settings.on_alert)
     config = HistoryConfig(
         keep=settings.keep,
         alert_after=settings.alert_after,
         alert_repeat=settings.alert_repeat,
-        on_alert=alerts.parse_command(settings.on_alert) if settings.on_alert else None,
+        on_alert=on_alert,
         metrics_file=settings.metrics_file,
         expect_every=settings.expect_every,
         expect_grace=settings.expect_grace,

@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 
 from jobrun import db, sql
 from jobrun.exitcodes import JobrunError
-from jobrun.locks.lease import SCHEMA_LOCK_ID
+from jobrun.keys import SCHEMA_LOCK_ID
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

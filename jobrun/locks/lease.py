@@ -14,15 +14,13 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
-from jobrun.keys import Key, describe, lock_id_for
+from jobrun.keys import SCHEMA_LOCK_ID, Key, describe
 from jobrun.locks import Holder, Identity
 from jobrun.locks.stops import StopProbe
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-#: Serializes the creation of the jobrun schema (transaction-scoped advisory lock).
-SCHEMA_LOCK_ID = lock_id_for("jobrun:schema")
 #: Longest pause between two attempts while ``--wait`` lasts.
 _WAIT_POLL = 1.0
 
