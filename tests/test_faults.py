@@ -7,7 +7,9 @@ import select
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -15,10 +17,13 @@ import structlog
 
 from jobrun import db, keys
 from jobrun.locks import Identity, new_run_id
-from jobrun.locks.session import SessionLock
+from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
 from support import jobrun_cli
 from support.history import rows_of
 from support.jobrun_cli import event, wait_for_file, wait_until
+
+if TYPE_CHECKING:
+    import subprocess
 
 #: A child that proves mutual exclusion on its own: it takes an exclusive flock on a file
 #: shared by every child of the test; a second child alive at the same time cannot, and
@@ -97,6 +102,21 @@ def start_holder(children: Children, *args: str, dsn: str) -> tuple[object, int]
     argv, marker = children.argv()
     proc = jobrun_cli.start(*args, "--", *argv, dsn=dsn)
     return proc, int(wait_for_file(marker))
+
+
+def start_waiting(tmp_path: Path, *args: str, dsn: str) -> tuple[subprocess.Popen[str], Path, Path]:
+    """A run whose child waits for a file: (process, the file to create, the run's log file).
+
+    The log file lets a test read the run's events while it still runs.
+    """
+    marker, go, log = tmp_path / "running", tmp_path / "go", tmp_path / "jobrun.log"
+    proc = jobrun_cli.start(
+        *args, "--log-file", str(log), "--log-level", "debug", "--",
+        "sh", "-c", f'echo $$ > "{marker}"; while [ ! -e "{go}" ]; do sleep 0.05; done',
+        dsn=dsn,
+    )  # fmt: skip
+    wait_for_file(marker, proc=proc)
+    return proc, go, log
 
 
 class TestSessionLockLost:
@@ -257,6 +277,88 @@ def _advisory_waiters(conn: psycopg.Connection[tuple[object, ...]]) -> int:
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
     ).fetchone()
     return int(row[0]) if row else 0
+
+
+class TestAmbiguousHeartbeatErrors:
+    """A heartbeat that fails without proof of loss is retried, not taken for a lost lock.
+
+    A lost lock stops the job; a check that merely went unanswered or failed on a live
+    session proves nothing, and stopping every job at the first hiccup would make jobrun
+    the outage. The limit is the confirmation lifetime (session mode) or the lease's
+    lifetime (lease mode): within it, a recovered heartbeat changes nothing for the child.
+    """
+
+    def test_a_cancelled_check_on_a_live_session_is_retried(self, dsn, key, tmp_path):
+        """Session mode: a check cancelled by the server fails once; the run goes on."""
+        proc, go, log = start_waiting(tmp_path, "--key", key, "--heartbeat", "200ms", dsn=dsn)
+        backend = backend_of(dsn, key)
+        with psycopg.connect(dsn) as blocker, psycopg.connect(dsn, autocommit=True) as admin:
+            # The check reads jobrun.stop_requests: locking that table makes it wait, so a
+            # cancel lands inside the check, on a session that stays alive and keeps its lock.
+            blocker.execute("LOCK TABLE jobrun.stop_requests IN ACCESS EXCLUSIVE MODE")
+            wait_until(
+                lambda: (
+                    admin.execute(
+                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                        (backend,),
+                    ).fetchone()
+                    == (True,)
+                ),
+                what="the check to wait for the table",
+            )
+            admin.execute("SELECT pg_cancel_backend(%s)", (backend,))
+            wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="heartbeat_failed")
+        wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="the next check")
+        assert backend_of(dsn, key) == backend  # the same session still holds the lock
+        go.touch()
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "lock_lost" not in log.read_text()
+
+    @pytest.mark.fault
+    def test_a_silence_shorter_than_the_confirmation_lifetime_costs_nothing(
+        self, private_server, proxy, key, tmp_path
+    ):
+        """Session mode: no answer for a while, then answers again: the child never notices."""
+        cut = proxy(private_server.host, private_server.port)
+        heartbeat = 0.5
+        silence = CONFIRMATION_LIFETIME / 4  # well inside what one check vouches for
+        proc, go, log = start_waiting(
+            tmp_path, "--key", key, "--heartbeat", f"{heartbeat}s",
+            dsn=cut.dsn_for(private_server.dsn()),
+        )  # fmt: skip
+        cut.blackhole()
+        time.sleep(silence)  # the fault's duration: the thing under test, not a wait for an event
+        confirmed = log.read_text().count('"lock_confirmed"')
+        cut.restore()
+        wait_until(
+            lambda: log.read_text().count('"lock_confirmed"') > confirmed,
+            what="a check answered after the silence",
+        )
+        go.touch()
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "lock_lost" not in log.read_text()
+
+    @pytest.mark.fault
+    def test_lease_renewals_refused_for_a_while_are_retried(
+        self, private_server, proxy, key, tmp_path
+    ):
+        """Lease mode: renewals that cannot connect are retried; once through, the run goes on."""
+        cut = proxy(private_server.host, private_server.port)
+        proc, go, log = start_waiting(
+            tmp_path, "--key", key, "--mode", "lease", "--ttl", "20s", "--kill-after", "2s",
+            "--heartbeat", "1s", "--connect-timeout", "1s",
+            dsn=cut.dsn_for(private_server.dsn()),
+        )  # fmt: skip
+        cut.refuse()  # each renewal opens a connection of its own: each one is refused now
+        wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="a refused renewal")
+        cut.restore()
+        wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="a renewal again")
+        go.touch()
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "lock_lost" not in log.read_text()
 
 
 class TestStandby:
@@ -426,6 +528,38 @@ class TestLeaseFaults:
         assert "taken over" in event(stderr, "lock_lost")["reason"]
         assert jobrun_cli.process_gone(child)
 
+    def test_a_stale_owners_release_leaves_the_new_owners_lease(self, dsn, key, tmp_path):
+        """A holder frozen while its key changed hands releases nothing of the new owner's.
+
+        The thawed holder's child has ended, so it releases its lease before any renewal
+        can tell it the lease is gone: only the owner check in that release keeps the new
+        owner's row.
+        """
+        args = ("--key", key, "--mode", "lease", "--ttl", "60s", "--kill-after", "1s",
+                "--heartbeat", "20s")  # fmt: skip  # no renewal falls due during the test
+        proc, go, log = start_waiting(tmp_path, *args, dsn=dsn)
+        child = int((tmp_path / "running").read_text())
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with psycopg.connect(dsn) as conn:  # what an expiry and a takeover leave behind
+                stolen = conn.execute(
+                    "UPDATE jobrun.leases SET owner = gen_random_uuid() WHERE lock_id = %s"
+                    " RETURNING owner",
+                    (keys.lock_id_for(key),),
+                ).fetchone()
+            go.touch()
+            wait_until(lambda: jobrun_cli.process_gone(child), what="the child to end")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=30)
+        assert event(log.read_text(), "finished")["child_exit_code"] == 0, stderr
+        with psycopg.connect(dsn) as conn:
+            owners = conn.execute(
+                "SELECT owner FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(key),)
+            ).fetchall()
+        assert stolen is not None
+        assert owners == [stolen]
+
 
 class TestLeaseBasics:
     """Lease mode's table, concurrency and invariants."""
@@ -457,8 +591,8 @@ class TestLeaseBasics:
         ]
         assert ran.read_text() == "x\n"
 
-    def test_release_is_owner_checked(self, dsn, key):
-        """After a run the lease row is gone; a stale owner's release deletes nothing."""
+    def test_a_finished_run_leaves_no_lease_row(self, dsn, key):
+        """After a run the lease row is gone (a stale owner's release: TestLeaseFaults)."""
         result = jobrun_cli.run("--key", key, "--mode", "lease", "--", "true", dsn=dsn)
         assert result.returncode == 0
         with psycopg.connect(dsn) as conn:
@@ -466,6 +600,32 @@ class TestLeaseBasics:
                 "SELECT count(*) FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(key),)
             ).fetchone()
         assert rows == (0,)
+
+    def test_a_run_longer_than_its_ttl_keeps_the_lease(self, dsn, key, tmp_path):
+        """Renewals carry a run past its TTL: long after the first expiry, others still skip."""
+        args = ("--key", key, "--mode", "lease", "--ttl", "3s", "--kill-after", "1s")
+        proc, go, log = start_waiting(tmp_path, *args, dsn=dsn)
+        first_expiry = lease_expiry(dsn, key)
+        # Past the first expiry by a whole TTL: without a renewal the lease would be long gone.
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "SELECT clock_timestamp() > %s + interval '3 seconds'", (first_expiry,)
+                    ).fetchone()
+                    == (True,)
+                ),
+                what="one TTL past the first expiry",
+            )
+        assert lease_expiry(dsn, key) > first_expiry
+        late = jobrun_cli.run(*args, "--", "true", dsn=dsn)
+        assert late.returncode == 75, late.stderr
+        holder_run = event(log.read_text(), "started")["run_id"]
+        assert event(late.stderr, "skipped")["holder_run_id"] == holder_run
+        go.touch()
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "lock_lost" not in log.read_text()
 
     @pytest.mark.parametrize(
         "args",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jobrun.sql.lease import LEASE_RENEW
+
 #: ``jobrun stop`` writes a row for the run it stops, by run id (a request never reaches the
 #: next run); that run's heartbeat reads it. ``jobrun pause`` writes one row per key label.
 #: ``--expect-every`` keeps one row per key label: how often a successful run is expected.
@@ -44,21 +46,15 @@ SELECT (SELECT count(*) FROM pg_locks
             WHERE run_id = %s::uuid) AS s)
 """
 
-#: Lease mode's renewal (LEASE_RENEW) and a stop request for this run, in one statement.
-LEASE_RENEW_OR_STOP = """
-WITH renewed AS (
-    UPDATE jobrun.leases
-    SET renewed_at = clock_timestamp(),
-        expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
-    WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s
-      AND expires_at > clock_timestamp()
-    RETURNING lock_id
-)
+#: Lease mode's renewal (LEASE_RENEW itself, so the two cannot drift apart) and a stop
+#: request for this run, in one statement.
+LEASE_RENEW_OR_STOP = f"""
+WITH renewed AS ({LEASE_RENEW})
 SELECT (SELECT count(*) FROM renewed),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
             WHERE run_id = %(owner)s::uuid) AS s)
-"""
+"""  # noqa: S608 - composed of this package's constants only
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
 STOP_REQUEST = """
