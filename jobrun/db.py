@@ -68,6 +68,9 @@ _BAD_OPTION = (
     r"|could not match \d+ (?:host names|port numbers)"
     r"|bad value for connect_timeout"
     r"|unrecognized (?:\S+ )?(?:value|option)"
+    # service=NAME that no service file defines, or a service file libpq cannot read: both
+    # found before any address is tried.
+    r'|definition of service "[^"]*" not found|service file "'
 )
 # The server said no for now: many clients at once (SQLSTATE 53300) or it is starting up,
 # shutting down or recovering (57P03). libpq does not expose the SQLSTATE of a failed

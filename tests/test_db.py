@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import threading
 import time
@@ -10,16 +12,23 @@ from typing import TYPE_CHECKING, ClassVar
 
 import psycopg
 import pytest
+import structlog
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun import db
+from jobrun import db, keys
 from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.locks import Identity, new_run_id
+from jobrun.locks.session import SessionLock
 from support import jobrun_cli
 from support.jobrun_cli import event
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from pathlib import Path
     from subprocess import CompletedProcess
+
+    from support.pgserver import PgServer
 
 #: libpq's connect_timeout is whole seconds and at least 2: what jobrun must do better than.
 LIBPQ_MINIMUM_TIMEOUT = 2.0
@@ -376,3 +385,237 @@ class TestOneLine:
             conn.execute("SELECT 1\nFROM nowhere_at_all")
         assert "LINE 2:" in str(caught.value)  # the server did add it
         assert db.one_line(caught.value) == 'relation "nowhere_at_all" does not exist'
+
+
+def over_tcp(dsn: str, address: tuple[str, int]) -> str:
+    """``dsn`` to the same server and database over TCP: a unix socket has no TCP options."""
+    host, port = address
+    params = conninfo_to_dict(dsn)
+    params.pop("hostaddr", None)
+    # A server reached through its socket directory listens on the same port over TCP.
+    params["host"] = "127.0.0.1" if host.startswith("/") else host
+    params["port"] = str(port)
+    return make_conninfo("", **params)
+
+
+#: The --kill-after the lock session below is made with (the run's default).
+KILL_AFTER = 10.0
+
+
+@pytest.fixture
+def lock_socket(dsn, pg_address, key) -> Iterator[tuple[SessionLock, db.Target, socket.socket]]:
+    """A run's lock session over TCP holding ``key``: the lock, its Target, its socket."""
+    target = db.Target(dsn=over_tcp(dsn, pg_address))
+    lock = SessionLock(
+        (keys.from_name(key),),
+        target,
+        Identity(run_id=new_run_id(), pid=os.getpid()),
+        structlog.get_logger(),
+        kill_after=KILL_AFTER,
+    )
+    assert lock.acquire(0) is None
+    try:
+        conn = lock._conn  # noqa: SLF001 - the session's socket is only reachable through it
+        assert conn is not None
+        # getsockopt on a duplicate descriptor reads the options of the very same socket.
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            assert sock.family in (socket.AF_INET, socket.AF_INET6), sock
+            yield lock, target, sock
+    finally:
+        lock.release()
+
+
+class TestClientKeepalives:
+    """The lock session's own socket gives up on a silent server within seconds.
+
+    A half-open connection (the server's host vanished, no RST ever came) would otherwise
+    keep the socket, and a heartbeat waiting on it, for the OS default of about 2 hours.
+    """
+
+    def test_keepalives_probe_as_jobrun_asks(self, lock_socket):
+        """SO_KEEPALIVE is on, with the idle time, interval and count jobrun asks libpq for."""
+        _, target, sock = lock_socket
+        # jobrun names these values nowhere else: the libpq parameters it connects with are
+        # the one source, and what matters here is that they reach the lock session's socket.
+        asked = db._connection_kwargs(target, {}, "jobrun:test", target.connect_timeout)  # noqa: SLF001
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == asked["keepalives"]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == asked["keepalives_idle"]
+        assert (
+            sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+            == asked["keepalives_interval"]
+        )
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == asked["keepalives_count"]
+        assert asked["keepalives"] == 1
+
+    def test_tcp_user_timeout_is_the_targets(self, lock_socket):
+        """Unacknowledged sends are given up after the Target's tcp_user_timeout (kernel: ms)."""
+        _, target, sock = lock_socket
+        timeout_ms = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        assert timeout_ms == int(target.tcp_user_timeout * 1000)
+        assert timeout_ms > 0  # 0 is the kernel's "no limit"
+
+    def test_a_silent_server_is_given_up_before_the_child_would_be_killed(self, lock_socket):
+        """Idle or sending, the kernel ends the socket within confirmation lifetime + kill-after.
+
+        By then jobrun has stopped vouching for the lock and SIGKILLed the child; a socket
+        that outlived that would only hold a heartbeat up on a connection that is gone.
+        """
+        lock, _, sock = lock_socket
+        deadline = lock.confirmation_lifetime + KILL_AFTER
+        idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+        interval = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)
+        count = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)
+        assert idle + interval * count <= deadline
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) / 1000 <= deadline
+
+
+#: The service the service file below defines.
+SERVICE = "jobrun_test"
+
+
+@pytest.fixture
+def service_env(dsn, pg_address, tmp_path) -> dict[str, str]:
+    """PGSERVICEFILE naming a file whose [jobrun_test] is the test server's database."""
+    host, port = pg_address
+    params = {name: str(value) for name, value in conninfo_to_dict(dsn).items()}
+    params.pop("hostaddr", None)
+    params.update(host=host, port=str(port))
+    path = tmp_path / "pg_service.conf"
+    path.write_text("\n".join([f"[{SERVICE}]", *(f"{k}={v}" for k, v in params.items())]) + "\n")
+    return {"PGSERVICEFILE": str(path)}
+
+
+class TestServiceFile:
+    """``--dsn service=NAME`` takes the connection from PGSERVICEFILE, as libpq programs do."""
+
+    def test_a_run_connects_through_the_service(self, service_env, key, tmp_path):
+        """`jobrun --dsn service=jobrun_test --key K -- touch F`: exit 0, and the child ran."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--dsn",
+            f"service={SERVICE}",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=None,
+            env=service_env,
+        )
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+
+    def test_status_reads_the_services_database(self, dsn, service_env, key):
+        """`jobrun status K --dsn service=jobrun_test` sees a lock held in that database."""
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (keys.lock_id_for(key),))
+            result = jobrun_cli.run(
+                "status", key, "--json", "--dsn", f"service={SERVICE}", dsn=None, env=service_env
+            )
+        assert result.returncode == 0, result.stderr
+        (row,) = json.loads(result.stdout)
+        assert row["held"] is True
+
+    def test_an_unknown_service_is_a_usage_error(self, service_env, key, tmp_path):
+        """A service the file does not define: exit 64 naming it, and the child never ran."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--dsn",
+            "service=jobrun_no_such_service",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=None,
+            env=service_env,
+        )
+        assert result.returncode == 64, result.stderr
+        assert "jobrun_no_such_service" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert not marker.exists()
+
+
+#: The password the role below logs in with; never in jobrun's output.
+PASSWORD = "pgpass-Secret-4711"  # noqa: S105 - a throwaway role's, on a throwaway server
+SCRAM_ROLE = "jobrun_pw"
+
+
+@pytest.fixture
+def password_server(private_server_factory: Callable[..., PgServer]) -> PgServer:
+    """A private server that asks SCRAM_ROLE for its password (scram) over TCP."""
+    server = private_server_factory()
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute(
+            pgsql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                pgsql.Identifier(SCRAM_ROLE), pgsql.Literal(PASSWORD)
+            )
+        )
+        hba = server.data_dir / "pg_hba.conf"
+        # The first matching line wins: this one goes before initdb's "trust" lines.
+        hba.write_text(f"host all {SCRAM_ROLE} 127.0.0.1/32 scram-sha-256\n{hba.read_text()}")
+        conn.execute("SELECT pg_reload_conf()")
+
+    def asks_for_a_password() -> bool:
+        # The postmaster rereads pg_hba.conf on its own time after pg_reload_conf().
+        try:
+            psycopg.connect(role_dsn(server), passfile=os.devnull, connect_timeout=5).close()
+        except psycopg.OperationalError as exc:
+            return "password" in str(exc)
+        return False
+
+    jobrun_cli.wait_until(asks_for_a_password, what="the server to ask for the role's password")
+    return server
+
+
+def role_dsn(server: PgServer) -> str:
+    """The password role's DSN on ``server``: no password in it."""
+    return make_conninfo(server.dsn(), user=SCRAM_ROLE)
+
+
+def passfile_env(server: PgServer, password: str, tmp_path: Path) -> dict[str, str]:
+    """PGPASSFILE naming a 0600 file with ``password`` for the role on ``server``."""
+    path = tmp_path / "pgpass"
+    path.write_text(f"{server.host}:{server.port}:postgres:{SCRAM_ROLE}:{password}\n")
+    # libpq ignores a password file that others may read.
+    path.chmod(0o600)
+    return {"PGPASSFILE": str(path), "PGPASSWORD": ""}
+
+
+class TestPasswordFile:
+    """PGPASSFILE supplies the password of a role the server asks one of."""
+
+    def test_the_passfiles_password_logs_in(self, password_server, key, tmp_path):
+        """The password is in PGPASSFILE alone: exit 0, and the child ran."""
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--no-history",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=role_dsn(password_server),
+            env=passfile_env(password_server, PASSWORD, tmp_path),
+        )
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+
+    def test_a_wrong_password_is_refused_and_not_shown(self, password_server, key, tmp_path):
+        """A wrong password in PGPASSFILE: exit 69, reason refused, the password never shown."""
+        wrong = "pgpass-Wrong-0815"
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run(
+            "--no-history",
+            "--key",
+            key,
+            "--",
+            "touch",
+            str(marker),
+            dsn=role_dsn(password_server),
+            env=passfile_env(password_server, wrong, tmp_path),
+        )
+        assert result.returncode == 69, result.stderr
+        assert event(result.stderr, "lockstore_unavailable")["reason"] == "refused"
+        assert wrong not in result.stdout + result.stderr
+        assert not marker.exists()

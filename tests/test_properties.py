@@ -1,7 +1,8 @@
 """Generated command lines and environments: every one ends in a documented way.
 
 For each: no traceback, never exit 70, no secret in the output, an exit status from the
-documented table, and on a usage error the child never ran. Most examples call
+documented table, on a usage error the child never ran, and a child that ran (without a
+database, unguarded) was asked to and said so. Most examples call
 jobrun.cli.main in-process; a bounded number run ``python -m jobrun`` with raw argv bytes.
 Nothing needs a database: every DSN points at a closed port. Set
 JOBRUN_HYPOTHESIS_PROFILE=long for a longer search.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from jobrun.cli import main
@@ -259,8 +261,26 @@ def placed_before(argv: list[str]) -> tuple[str | None, set[str]]:
     return None, flags
 
 
-def check(status: int, out: str, err: str, mark: Path, argv: list[str]) -> None:
-    """The promises that hold for every command line."""
+def on_db_error(argv: list[str], env: dict[str, str]) -> str | None:
+    """The --on-db-error a run of ``argv`` gets: the last one written, else the variable's."""
+    chosen = None
+    position = 0
+    while position < len(argv) and argv[position] != "--":
+        word = argv[position]
+        if word == "--on-db-error" and position + 1 < len(argv):
+            chosen = argv[position + 1]
+        position += 1 if RUN_OPTIONS.get(word) is None else 2
+    return chosen if chosen is not None else env.get("JOBRUN_ON_DB_ERROR")
+
+
+#: The lockstore_unavailable event's running_unguarded=true, as JSON, logfmt or console.
+SAID_UNGUARDED = re.compile(r'\brunning_unguarded"?(?::\s*|=)(?:true|True)\b')
+
+
+def check(
+    status: int, out: str, err: str, mark: Path, argv: list[str], *, env: dict[str, str]
+) -> None:
+    """The promises that hold for every command line (``env``: the environment it ran with)."""
     subcommand, before = placed_before(argv)
     if subcommand is not None and before - TAKES.get(subcommand, set()):
         # An option the subcommand does not take, written before it: refused, not ignored.
@@ -274,6 +294,12 @@ def check(status: int, out: str, err: str, mark: Path, argv: list[str]) -> None:
     if status == Exit.USAGE:
         assert not mark.exists(), shown
         assert len(err.strip().splitlines()) == 1, shown
+    if mark.exists():
+        # No example can reach a database: a child that ran, ran without the lock. Only a
+        # run that asked for that may do it, and it must say so.
+        assert subcommand is None, shown
+        assert on_db_error(argv, env) == "run", shown
+        assert SAID_UNGUARDED.search(err), shown
 
 
 @pytest.fixture
@@ -286,6 +312,15 @@ def mark_dir():
 class TestCommandLines:
     """Whatever the command line and the environment, jobrun ends in a documented way."""
 
+    # Generated lines seldom make a valid run; these always do, so that the unguarded-child
+    # promise is exercised on every run: asked for on the command line, in the environment,
+    # overruled by the command line, not asked for, and said in each log format.
+    @example(line=(["--key", "k", "--on-db-error", "run"], {}))
+    @example(line=(["--key", "k"], {"JOBRUN_ON_DB_ERROR": "run"}))
+    @example(line=(["--key", "k", "--on-db-error", "fail"], {"JOBRUN_ON_DB_ERROR": "run"}))
+    @example(line=(["--key", "k"], {}))
+    @example(line=(["--log-format", "logfmt", "--key", "k", "--on-db-error", "run"], {}))
+    @example(line=(["--log-format", "console", "--key", "k", "--on-db-error", "run"], {}))
     @given(line=command_lines())
     def test_in_process(self, line, capfd, mark_dir):
         """jobrun.cli.main(argv) with a generated environment."""
@@ -294,14 +329,15 @@ class TestCommandLines:
         mark = mark_dir / "ran"
         mark.unlink(missing_ok=True)
         full = [*argv, "--", TOUCH, str(mark)] if "--" not in argv else argv
+        env = {**base_environment(), **variables}
         capfd.readouterr()
-        with environment({**base_environment(), **variables}):
+        with environment(env):
             try:
                 main(full)
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         out, err = capfd.readouterr()
-        check(status, out, err, mark, full)
+        check(status, out, err, mark, full, env=env)
 
     @settings(max_examples=PROCESS_EXAMPLES)
     @given(line=command_lines())
@@ -324,7 +360,7 @@ class TestCommandLines:
         )
         out = result.stdout.decode("utf-8", "replace")
         err = result.stderr.decode("utf-8", "replace")
-        check(result.returncode, out, err, mark, full)
+        check(result.returncode, out, err, mark, full, env=env)
 
 
 class TestDsnNotUtf8:
@@ -349,7 +385,7 @@ class TestDsnNotUtf8:
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
         out, err = capfd.readouterr()
-        check(status, out, err, mark, full)
+        check(status, out, err, mark, full, env=env)
 
 
 def test_the_process_examples_use_the_real_entry_point():

@@ -448,3 +448,86 @@ class TestWiredThroughCli:
         result = jobrun_cli.run("status", key, dsn="host=127.0.0.1 port=1 connect_timeout=2")
         assert result.returncode == 69
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def int4(unsigned: int) -> int:
+    """An unsigned 32-bit half as the signed int4 PostgreSQL's two-key functions take."""
+    return unsigned - 2**32 if unsigned >= 2**31 else unsigned
+
+
+#: How another session takes a key's lock: the bigint form jobrun uses, or the pair of int4
+#: halves with the very same classid/objid in pg_locks.
+FORMS = {
+    "bigint": ("SELECT pg_advisory_lock(%s)", lambda key: (key.lock_id,)),
+    "int4-pair": (
+        "SELECT pg_advisory_lock(%s::int4, %s::int4)",
+        lambda key: tuple(int4(half) for half in key.pg_locks_pair),
+    ),
+}
+
+
+@pytest.fixture
+def held_in_form(dsn, key, request) -> Iterator[tuple[str, keys.Key, int]]:
+    """Another session holding ``key`` in the form named by the parameter.
+
+    Yields (form, key, pg_locks objsubid of that session's lock), and ends the session after.
+    """
+    form = request.param
+    statement, args = FORMS[form]
+    parsed = keys.from_name(key)
+    with psycopg.connect(dsn, autocommit=True, application_name="other-app") as conn:
+        conn.execute(statement, args(parsed))
+        row = conn.execute(
+            "SELECT classid::int8, objid::int8, objsubid FROM pg_locks"
+            " WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()"
+        ).fetchone()
+        assert row is not None
+        classid, objid, objsubid = row
+        # The same classid/objid either way: only objsubid tells the two locks apart.
+        assert (classid, objid) == parsed.pg_locks_pair
+        yield form, parsed, int(objsubid)
+
+
+class TestInt4PairIsAnotherLock:
+    """pg_advisory_lock(int4, int4) on a key's classid/objid is not the key's lock.
+
+    In pg_locks both show the same classid and objid: the bigint form has objsubid 1, the
+    pair objsubid 2, and the server treats them as two locks that never conflict.
+    """
+
+    @pytest.mark.parametrize(
+        ("held_in_form", "objsubid"),
+        [("bigint", 1), ("int4-pair", 2)],
+        indirect=["held_in_form"],
+    )
+    def test_pg_locks_tells_the_forms_apart_by_objsubid(self, held_in_form, objsubid):
+        """The bigint form is objsubid 1, the int4 pair with the same classid/objid 2."""
+        _, _, shown = held_in_form
+        assert shown == objsubid
+
+    @pytest.mark.parametrize(
+        ("held_in_form", "held"),
+        [("bigint", True), ("int4-pair", False)],
+        indirect=["held_in_form"],
+    )
+    def test_status_shows_only_the_bigint_form_as_held(self, dsn, held_in_form, held):
+        """`jobrun status KEY --json`: held behind the bigint form, free beside the pair."""
+        _, parsed, _ = held_in_form
+        result = jobrun_cli.run("status", parsed.label, "--json", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        (row,) = json.loads(result.stdout)
+        assert row["held"] is held
+        assert (row["holder"] is not None) is held
+
+    @pytest.mark.parametrize(
+        ("held_in_form", "status"),
+        [("bigint", int(Exit.SKIPPED)), ("int4-pair", 0)],
+        indirect=["held_in_form"],
+    )
+    def test_a_run_skips_only_behind_the_bigint_form(self, dsn, held_in_form, status, tmp_path):
+        """`jobrun --key KEY -- touch F`: skips (75) behind the bigint form, runs beside it."""
+        _, parsed, _ = held_in_form
+        marker = tmp_path / "ran"
+        result = jobrun_cli.run("--key", parsed.label, "--", "touch", str(marker), dsn=dsn)
+        assert result.returncode == status, result.stderr
+        assert marker.exists() is (status == 0)
