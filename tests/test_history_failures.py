@@ -325,6 +325,31 @@ class TestSharedSessionUnderLoss:
         assert event(stderr, "lock_lost")["action"] == "not_started"
         assert not ran.exists()
 
+    def test_a_run_whose_lock_session_died_is_recorded_as_lock_lost(self, dsn, key, tmp_path):
+        """The lock session terminated mid-run: the row says lock_lost and 76, not running.
+
+        The end can no longer go over the lock session, so it takes a connection of its own;
+        left "running", the next run would call it abandoned and the loss would be lost.
+        """
+        marker = tmp_path / "child"
+        proc = jobrun_cli.start(
+            "--key", key, "--kill-after", "1s", "--", "sh", "-c",
+            f'echo $$ > "{marker}"; exec sleep 300', dsn=dsn,
+        )  # fmt: skip
+        wait_for_file(marker, proc=proc)
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name = %s AND datname = current_database()",
+                (f"jobrun:{key}"[:63],),
+            )
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 76, stderr
+        assert "history_failed" not in stderr
+        (row,) = rows_of(dsn, key)
+        assert (row["outcome"], row["exit_code"]) == ("lock_lost", 76)
+        assert str(row["run_id"]) == event(stderr, "finished")["run_id"]
+
     def test_a_history_call_waiting_its_timeout_never_costs_the_lock(self, dsn, key, tmp_path):
         """A history call held up for its whole timeout: the heartbeat waits, the job runs."""
         ensure_runs_table(dsn)

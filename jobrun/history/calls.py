@@ -51,8 +51,9 @@ class SharedSession(Protocol):
     def intermittent(self) -> bool:
         """Whether a connection is lent only at times.
 
-        False: the connection is the lock session, and without it (None, closed) a call
-        fails: the lock is gone with it. True: without one a call connects on its own.
+        False: the connection is the lock session, for as long as the lock is held; once it
+        is gone (the lock with it), what is left to record goes over a connection of its
+        own. True: whenever none is lent, a call connects on its own.
         """
         ...
 
@@ -120,6 +121,8 @@ class Calls:
         #: Messages sent and server sessions opened (a lent connection is not counted).
         self.round_trips = 0
         self.sessions = 0
+        #: Whether the last call went over the lock session (not a connection of its own).
+        self._on_lock_session = False
 
     def run(
         self,
@@ -148,9 +151,12 @@ class Calls:
             self.gave_up = True
             self._failed(during, str(exc))
         except psycopg.Error as exc:
-            # A broken connection costs time (or is the lock session gone): never twice.
-            if isinstance(exc, psycopg.OperationalError) and not isinstance(
-                exc, errors.QueryCanceled | errors.LockNotAvailable
+            # A broken connection costs time: never twice. The lock session breaking under a
+            # call is not the database given up on: the next call connects on its own.
+            if (
+                isinstance(exc, psycopg.OperationalError)
+                and not isinstance(exc, errors.QueryCanceled | errors.LockNotAvailable)
+                and not (self._on_lock_session and self._lent() is None)
             ):
                 self.gave_up = True
             self._failed(during, db.one_line(exc, self._target))
@@ -185,15 +191,26 @@ class Calls:
         )
         return rows
 
-    def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
+    def _shared_intermittent(self) -> bool:
+        return self._shared is not None and self._shared.intermittent
+
+    def _lent(self) -> Connection | None:
+        """The lent connection if it can still be used, else None."""
         conn = self._shared.connection() if self._shared is not None else None
-        if conn is None and (self._shared is None or self._shared.intermittent):
+        return conn if conn is not None and not conn.closed and not conn.broken else None
+
+    def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
+        conn = self._lent()
+        self._on_lock_session = conn is not None and not self._shared_intermittent()
+        if conn is None or self._shared is None:
+            # Nothing lent: lease mode holds no connection between its statements, or the
+            # lock session is gone (and the lock with it). Session mode then opens its one
+            # second session: without it a run whose lock was lost would stay "running" in
+            # the history, for the next run to call abandoned, instead of saying lock_lost.
             self.sessions += 1
             self.round_trips += 1  # the connection's own start-up exchange
             with db.connect(self._target, app_name=self._app_name) as own:
                 return self._send(own, statements, params)
-        if self._shared is None or conn is None or conn.closed or conn.broken:
-            raise psycopg.OperationalError("the lock session is closed")
         # WARNING: on a silent network (nothing answers, nothing tells the kernel) this call,
         # or the heartbeat check it waits for, would never return: past the call's timeout
         # the socket is cut, as the heartbeat's own watchdog does. A thread per call, but

@@ -59,6 +59,7 @@ class Lent:
 
     conn: psycopg.Connection[Any]
     comment: str = "/* jobrun-holder {} */ "
+    intermittent: bool = False  # the lock session: lent for the whole run
 
     def connection(self) -> psycopg.Connection[Any]:
         return self.conn
