@@ -188,7 +188,11 @@ class _GuardedRun:
             holder = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
             unguarded = job.on_db_error == "run"
-            log.error(exc.event, reason=exc.reason, error=str(exc), running_unguarded=unguarded)
+            # The run's last line when the child is not started: it carries the exit status.
+            ends = {} if unguarded else {"exit_code": exc.exit_code}
+            log.error(
+                exc.event, reason=exc.reason, error=str(exc), running_unguarded=unguarded, **ends
+            )
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
@@ -250,6 +254,7 @@ class _GuardedRun:
                     error=str(exc),
                     running_unguarded=False,
                     running_unchecked=checked_anyway,
+                    **({} if checked_anyway else {"exit_code": exc.exit_code}),
                 )
                 if not checked_anyway:
                     return exc.exit_code
@@ -281,7 +286,13 @@ class _GuardedRun:
                     self.recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                     return int(Exit.LOCK_LOST)
                 except LockStoreUnavailable as exc:
-                    log.error(exc.event, reason=exc.reason, error=str(exc), fence=True)
+                    log.error(
+                        exc.event,
+                        reason=exc.reason,
+                        error=str(exc),
+                        fence=True,
+                        exit_code=exc.exit_code,
+                    )
                     return exc.exit_code
                 self.environ = {**self.environ, "JOBRUN_FENCE": str(token)}
             return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)

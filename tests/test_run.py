@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import ClassVar
 
 import psycopg
 import pytest
@@ -634,6 +635,55 @@ class TestEventLines:
         assert lines[0]["run_id"] == lines[1]["run_id"]
         finished = lines[1]
         assert {"exit_code", "signal", "duration"} <= finished.keys()
+
+    #: The events that end a run's lines (alerts and history warnings may follow them).
+    #: Then each way a run can end: options ("holder": another session holds the key),
+    #: command, the run's last event, its exit status.
+    LAST_EVENTS = frozenset({"finished", "skipped", "exec_failed", "lockstore_unavailable"})
+    ENDINGS: ClassVar[dict[str, tuple[tuple[str, ...], tuple[str, ...], str, int]]] = {
+        "failed": ((), ("sh", "-c", "exit 3"), "finished", 3),
+        "timed_out": (("--timeout", "200ms"), ("sleep", "30"), "finished", 124),
+        "exec_failed": ((), ("/nonexistent/command",), "exec_failed", 127),
+        "skipped": (("holder",), ("true",), "skipped", 75),
+        "unavailable": (("--dsn", "host=127.0.0.1 port=1"), ("true",), "lockstore_unavailable", 69),
+        "lock_lost": (
+            ("--kill-after", "1s"),
+            (sys.executable, "-c", (
+                "import os, time, psycopg\n"
+                "with psycopg.connect(os.environ['JOBRUN_TEST_CHILD_DSN'], autocommit=True) as c:\n"
+                '    c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"\n'
+                '              " WHERE application_name = %s AND pid <> pg_backend_pid()",\n'
+                "              (os.environ['PGAPPNAME'],))\n"
+                "time.sleep(60)\n"
+            )),
+            "finished",
+            76,
+        ),
+    }  # fmt: skip
+
+    @pytest.mark.parametrize("ending", list(ENDINGS))
+    def test_every_ending_leaves_a_last_line_with_its_exit_status(self, dsn, key, ending):
+        """Each way a run ends: one last line with the common fields and the exit status."""
+        options, command, last_event, status = self.ENDINGS[ending]
+        with contextlib.ExitStack() as stack:
+            if options == ("holder",):
+                options = ()
+                holder = stack.enter_context(psycopg.connect(dsn, autocommit=True))
+                holder.execute("SELECT pg_advisory_lock(%s)", (keys.lock_id_for(key),))
+            result = jobrun_cli.run(
+                "--key", key, *options, "--", *command,
+                dsn=dsn, env={"JOBRUN_TEST_CHILD_DSN": dsn},
+            )  # fmt: skip
+        assert result.returncode == status, result.stderr
+        lines = events(result.stderr)
+        (last,) = [line for line in lines if line["event"] in self.LAST_EVENTS]
+        assert last["event"] == last_event
+        assert last.keys() >= COMMON_FIELDS
+        assert last["lock_id"] == keys.lock_id_for(key)
+        assert last["exit_code"] == status
+        assert len({line["run_id"] for line in lines}) == 1
+        if last_event == "finished":
+            assert {"signal", "duration", "outcome"} <= last.keys()
 
     def test_run_ids_are_unique(self, dsn, key):
         """Two runs never share a run id."""
