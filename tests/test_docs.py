@@ -139,3 +139,29 @@ class TestReference:
         result = jobrun_cli.run(dsn=None, env={"_JOBRUN_COMPLETE": "bash_source"})
         assert result.returncode == 0
         assert "complete " in result.stdout
+
+
+class TestNamedTests:
+    """The docs point readers at tests by name: each named test exists."""
+
+    #: `test_file.py::Class` or `test_file.py::Class::test_name` (or a module-level test).
+    NAMED = re.compile(r"`(?:tests/)?(test_\w+\.py)::(\w+)(?:::(\w+))?")
+
+    def test_every_test_the_docs_name_exists(self):
+        """A renamed or removed test leaves no stale reference in README, CONTRIBUTING or docs/."""
+        pages = [
+            ROOT / "README.md",
+            ROOT / "CONTRIBUTING.md",
+            *sorted((ROOT / "docs").glob("*.md")),
+        ]
+        named = [m.groups() for page in pages for m in self.NAMED.finditer(page.read_text())]
+        assert len(named) > 20  # the pattern does find the references
+        missing = []
+        for module, first, second in named:
+            source = ROOT / "tests" / module
+            body = source.read_text() if source.exists() else ""
+            if not re.search(rf"^\s*(?:class|def) {first}\b", body, re.MULTILINE) or (
+                second and not re.search(rf"^\s*def {second}\b", body, re.MULTILINE)
+            ):
+                missing.append("::".join(part for part in (module, first, second) if part))
+        assert missing == []
