@@ -197,6 +197,10 @@ def describe(target: Target) -> str:
     """``host:port/dbname`` as far as the DSN says: safe to log (no user, no password)."""
     params = parse_dsn(target.dsn)
     env = os.environ
+    service = params.get("service") or env.get("PGSERVICE")
+    if service and not (params.get("host") or params.get("hostaddr")):
+        # The address is in a service file: say which service, rather than guess a socket.
+        return redact(safe_text(f"service {service}"), target.secrets)
     # As libpq resolves them: the DSN, then the PG* variables, then its built-in defaults.
     host = params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "local socket"
     port = params.get("port") or env.get("PGPORT") or "5432"

@@ -121,6 +121,12 @@ def spawn(
     ``stdio``: descriptors for the child's stdout and stderr (--keep-output's pipes); by
     default it inherits ours.
     """
+    # WARNING: the parent-death signal fires when the *thread* that forked the child ends,
+    # not the process: a child spawned from a short-lived thread would be SIGKILLed when that
+    # thread returned, while jobrun still guards it. Only the main thread, which lives as long
+    # as jobrun, may spawn.
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("supervise.spawn must be called from the main thread")
     out, err = stdio if stdio is not None else (None, None)
     prctl = _libc_prctl()
     parent = os.getpid()

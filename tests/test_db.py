@@ -516,6 +516,18 @@ class TestServiceFile:
         (row,) = json.loads(result.stdout)
         assert row["held"] is True
 
+    def test_an_unreachable_service_is_named_in_the_error(self, key, tmp_path):
+        """Its server down: exit 69, and the line names the service, not a guessed address."""
+        path = tmp_path / "pg_service.conf"
+        path.write_text("[jobrun_down]\nhost=127.0.0.1\nport=1\n")
+        result = jobrun_cli.run(
+            "--dsn", "service=jobrun_down", "--key", key, "--", "true",
+            dsn=None, env={"PGSERVICEFILE": str(path)},
+        )  # fmt: skip
+        assert result.returncode == 69, result.stderr
+        error = event(result.stderr, "lockstore_unavailable")["error"]
+        assert error.startswith("cannot connect to service jobrun_down:"), error
+
     def test_an_unknown_service_is_a_usage_error(self, service_env, key, tmp_path):
         """A service the file does not define: exit 64 naming it, and the child never ran."""
         marker = tmp_path / "ran"

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import ClassVar
@@ -915,3 +916,33 @@ class TestJobrunItselfFails:
             if broken.poll() is None:
                 broken.kill()
                 broken.communicate()
+
+
+class TestSpawnedFromTheMainThread:
+    """The child's parent-death signal is tied to the thread that forked it: the main one."""
+
+    def test_a_spawn_from_another_thread_is_refused(self):
+        """A thread that ends would take the child with it: spawn refuses to run there."""
+        from jobrun import supervise  # noqa: PLC0415 - the unit under test, in-process
+
+        raised: list[BaseException] = []
+
+        def spawn_here() -> None:
+            try:
+                supervise.spawn(["true"], os.environ, frozenset())
+            except RuntimeError as exc:
+                raised.append(exc)
+
+        worker = threading.Thread(target=spawn_here)
+        worker.start()
+        worker.join(timeout=30)
+        assert [str(exc) for exc in raised] == [
+            "supervise.spawn must be called from the main thread"
+        ]
+
+    def test_the_main_thread_spawns(self):
+        """From the main thread the child starts and is reaped as usual."""
+        from jobrun import supervise  # noqa: PLC0415
+
+        child = supervise.spawn(["true"], os.environ, frozenset())
+        assert child.wait(timeout=30) == 0
