@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -13,6 +14,7 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import make_conninfo
 
 from jobrun.cli.ops import doctor_command
+from jobrun.doctor.capacity import LOCK_TABLE_FAIL, LOCK_TABLE_WARN
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import ensure_schema
 from support import jobrun_cli
@@ -326,6 +328,29 @@ class TestCapacity:
         assert row is not None
         finding = findings(doctor(dsn, "--json"))["lock table"]
         assert f"room for about {row[0]} locks" in finding["detail"]
+
+    @pytest.mark.parametrize(
+        ("share", "status"),
+        [(LOCK_TABLE_WARN / 2, "OK"), (LOCK_TABLE_WARN, "WARN"), (LOCK_TABLE_FAIL, "FAIL")],
+    )
+    def test_a_filling_lock_table_warns_then_fails(
+        self, doctor, private_server_factory, share, status
+    ):
+        """Advisory locks taking half the lock table: WARN; nine tenths: FAIL."""
+        # A small lock table (10 x (20 + 0) = 200 locks), so filling it costs nothing.
+        server = private_server_factory(
+            {"max_locks_per_transaction": "10", "max_connections": "20"}
+        )
+        dsn = server.dsn()
+        capacity = 10 * 20
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            holder.execute(
+                "SELECT count(pg_advisory_lock(g)) FROM generate_series(1, %s) AS g",
+                (math.ceil(capacity * share),),
+            )
+            finding = findings(doctor(dsn, "--json"))["lock table"]
+        assert f"room for about {capacity} locks" in finding["detail"]
+        assert finding["status"] == status
 
     def test_connection_headroom_is_reported(self, doctor, dsn):
         """In use, reserved and free connection slots."""
