@@ -578,6 +578,26 @@ class TestExecFailures:
         assert advisory_holders(dsn, key) == []
 
 
+class TestNoShell:
+    """The command after -- is an argv, never a shell line: nothing in it is expanded."""
+
+    def test_arguments_reach_the_child_as_given(self, dsn, key, tmp_path):
+        """`$HOME`, `*`, `;` and quotes arrive verbatim, one argument each."""
+        out = tmp_path / "argv.json"
+        given = ["$HOME", "*", "a b", "; touch pwned", "'q'", "`id`"]
+        script = f"import json, sys; open({str(out)!r}, 'w').write(json.dumps(sys.argv[1:]))"
+        result = jobrun_cli.run("--key", key, "--", sys.executable, "-c", script, *given, dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(out.read_text()) == given
+
+    def test_a_shell_line_is_one_program_name(self, dsn, key, tmp_path):
+        """`jobrun -- 'true; touch F'` looks for a program of that name: 127, nothing run."""
+        marker = tmp_path / "pwned"
+        result = jobrun_cli.run("--key", key, "--", f"true; touch {marker}", dsn=dsn)
+        assert result.returncode == 127
+        assert not marker.exists()
+
+
 class TestDatabaseDown:
     """No database: exit 69 and no child, unless --on-db-error run."""
 
