@@ -737,6 +737,20 @@ def main() -> int:
             args.json.write_text(json.dumps(figures, indent=2) + "\n")
         return 0
 
+    # An ignored signal stays ignored across exec: under nohup (SIGHUP) or as a shell's
+    # background job (SIGINT, SIGQUIT) every jobrun would start with the injector's signal
+    # ignored, and the soak would test something no cron or terminal does. Say so.
+    ignored = [
+        signal.Signals(signum).name
+        for signum in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+        if signal.getsignal(signum) == signal.SIG_IGN
+    ]
+    if ignored:
+        print(
+            f"warning: {', '.join(ignored)} ignored in this process (nohup? a background job?):"
+            " the jobruns inherit that; run the soak in the foreground (tmux or screen if long)",
+            file=sys.stderr,
+        )
     work = Path(tempfile.mkdtemp(prefix="jobrun-soak-"))
     began = time.monotonic()
     cluster = Cluster(failover=args.failover, settings={"max_connections": "200"})
