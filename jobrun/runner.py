@@ -188,10 +188,13 @@ class _GuardedRun:
             holder = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
             unguarded = job.on_db_error == "run"
-            # The run's last line when the child is not started: it carries the exit status.
-            ends = {} if unguarded else {"exit_code": exc.exit_code}
             log.error(
-                exc.event, reason=exc.reason, error=str(exc), running_unguarded=unguarded, **ends
+                exc.event,
+                reason=exc.reason,
+                error=str(exc),
+                running_unguarded=unguarded,
+                # The run's last line when the child is not started: it carries the exit status.
+                **({} if unguarded else {"exit_code": exc.exit_code}),
             )
             if not unguarded:
                 return exc.exit_code

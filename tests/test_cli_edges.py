@@ -210,17 +210,18 @@ class TestSubcommandsLoadWhenUsed:
         "main()\n"
     )
 
-    def _imported(self, *argv: str) -> set[str]:
+    def _imported(self, *argv: str, dsn: str | None = None) -> set[str]:
+        """The jobrun modules ``jobrun ARGV`` imported (a run's event lines are left out)."""
         result = subprocess.run(
             [sys.executable, "-c", self.REPORT_MODULES, *argv],
-            env=jobrun_cli.environment(None),
+            env=jobrun_cli.environment(dsn),
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
         assert result.returncode == 0, result.stderr
-        return set(result.stderr.split())
+        return {word for word in result.stderr.split() if word.startswith("jobrun")}
 
     @pytest.mark.parametrize("argv", [("--help",), ("key", "x")])
     def test_no_other_subcommand_is_imported(self, argv):
@@ -242,34 +243,20 @@ class TestSubcommandsLoadWhenUsed:
 
     def test_a_plain_run_imports_only_what_it_uses(self, dsn, key):
         """A session-mode run with history imports no subcommand and no optional module."""
-        imported = self._imported_by_run(dsn, "--key", key, "--", "true")
+        imported = self._imported("--key", key, "--", "true", dsn=dsn)
         assert "jobrun.runner" in imported  # the report did see the run's own modules
         assert not imported & {*self.SUBCOMMAND_MODULES, *self.OPTIONAL_RUN_MODULES}
 
     def test_each_option_imports_its_module(self, dsn, key, tmp_path):
         """The optional modules are the ones those options use (the list above is not stale)."""
-        imported = self._imported_by_run(
-            dsn,
+        imported = self._imported(
             *("--key", key, "--mode", "lease", "--fence", "--keep-output", "1KiB"),
             *("--metrics-file", str(tmp_path / "m.prom"), "--on-alert", "true"),
             *("--ping", "http://127.0.0.1:9/", "--ping-timeout", "100ms", "--", "true"),
+            dsn=dsn,
         )
         assert set(self.OPTIONAL_RUN_MODULES) - imported == {"jobrun.slots"}
-        assert "jobrun.slots" in self._imported_by_run(
-            dsn, "--key", key, "--slots", "2", "--", "true"
-        )
-
-    def _imported_by_run(self, dsn: str, *argv: str) -> set[str]:
-        result = subprocess.run(
-            [sys.executable, "-c", self.REPORT_MODULES, *argv],
-            env=jobrun_cli.environment(dsn),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr
-        return {line for line in result.stderr.split() if line.startswith("jobrun")}
+        assert "jobrun.slots" in self._imported("--key", key, "--slots", "2", "--", "true", dsn=dsn)
 
     def test_every_summary_is_the_commands_own(self):
         """The one-line help --help shows without importing is each command's own."""

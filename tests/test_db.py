@@ -476,10 +476,9 @@ SERVICE = "jobrun_test"
 @pytest.fixture
 def service_env(dsn, pg_address, tmp_path) -> dict[str, str]:
     """PGSERVICEFILE naming a file whose [jobrun_test] is the test server's database."""
-    host, port = pg_address
-    params = {name: str(value) for name, value in conninfo_to_dict(dsn).items()}
-    params.pop("hostaddr", None)
-    params.update(host=host, port=str(port))
+    params = {
+        name: str(value) for name, value in conninfo_to_dict(over_tcp(dsn, pg_address)).items()
+    }
     path = tmp_path / "pg_service.conf"
     path.write_text("\n".join([f"[{SERVICE}]", *(f"{k}={v}" for k, v in params.items())]) + "\n")
     return {"PGSERVICEFILE": str(path)}
@@ -594,39 +593,31 @@ def passfile_env(server: PgServer, password: str, tmp_path: Path) -> dict[str, s
     return {"PGPASSFILE": str(path), "PGPASSWORD": ""}
 
 
+def run_with_passfile(
+    server: PgServer, password: str, key: str, tmp_path: Path
+) -> tuple[CompletedProcess[str], Path]:
+    """`jobrun --key K -- touch F` as the password role, ``password`` in PGPASSFILE: (result, F)."""
+    marker = tmp_path / "ran"
+    result = jobrun_cli.run(
+        "--no-history", "--key", key, "--", "touch", str(marker),
+        dsn=role_dsn(server), env=passfile_env(server, password, tmp_path),
+    )  # fmt: skip
+    return result, marker
+
+
 class TestPasswordFile:
     """PGPASSFILE supplies the password of a role the server asks one of."""
 
     def test_the_passfiles_password_logs_in(self, password_server, key, tmp_path):
         """The password is in PGPASSFILE alone: exit 0, and the child ran."""
-        marker = tmp_path / "ran"
-        result = jobrun_cli.run(
-            "--no-history",
-            "--key",
-            key,
-            "--",
-            "touch",
-            str(marker),
-            dsn=role_dsn(password_server),
-            env=passfile_env(password_server, PASSWORD, tmp_path),
-        )
+        result, marker = run_with_passfile(password_server, PASSWORD, key, tmp_path)
         assert result.returncode == 0, result.stderr
         assert marker.exists()
 
     def test_a_wrong_password_is_refused_and_not_shown(self, password_server, key, tmp_path):
         """A wrong password in PGPASSFILE: exit 69, reason refused, the password never shown."""
         wrong = "pgpass-Wrong-0815"
-        marker = tmp_path / "ran"
-        result = jobrun_cli.run(
-            "--no-history",
-            "--key",
-            key,
-            "--",
-            "touch",
-            str(marker),
-            dsn=role_dsn(password_server),
-            env=passfile_env(password_server, wrong, tmp_path),
-        )
+        result, marker = run_with_passfile(password_server, wrong, key, tmp_path)
         assert result.returncode == 69, result.stderr
         assert event(result.stderr, "lockstore_unavailable")["reason"] == "refused"
         assert wrong not in result.stdout + result.stderr

@@ -119,6 +119,14 @@ def start_waiting(tmp_path: Path, *args: str, dsn: str) -> tuple[subprocess.Pope
     return proc, go, log
 
 
+def end_cleanly(proc: subprocess.Popen[str], go: Path, log: Path) -> None:
+    """Let a start_waiting() child end: the run must end 0, its lock never lost."""
+    go.touch()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "lock_lost" not in log.read_text()
+
+
 class TestSessionLockLost:
     """Session mode: whatever ends the session stops the child (exit 76)."""
 
@@ -310,10 +318,7 @@ class TestAmbiguousHeartbeatErrors:
             wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="heartbeat_failed")
         wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="the next check")
         assert backend_of(dsn, key) == backend  # the same session still holds the lock
-        go.touch()
-        _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, stderr
-        assert "lock_lost" not in log.read_text()
+        end_cleanly(proc, go, log)
 
     @pytest.mark.fault
     def test_a_silence_shorter_than_the_confirmation_lifetime_costs_nothing(
@@ -335,10 +340,7 @@ class TestAmbiguousHeartbeatErrors:
             lambda: log.read_text().count('"lock_confirmed"') > confirmed,
             what="a check answered after the silence",
         )
-        go.touch()
-        _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, stderr
-        assert "lock_lost" not in log.read_text()
+        end_cleanly(proc, go, log)
 
     @pytest.mark.fault
     def test_lease_renewals_refused_for_a_while_are_retried(
@@ -355,10 +357,7 @@ class TestAmbiguousHeartbeatErrors:
         wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="a refused renewal")
         cut.restore()
         wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="a renewal again")
-        go.touch()
-        _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, stderr
-        assert "lock_lost" not in log.read_text()
+        end_cleanly(proc, go, log)
 
 
 class TestStandby:
@@ -622,10 +621,7 @@ class TestLeaseBasics:
         assert late.returncode == 75, late.stderr
         holder_run = event(log.read_text(), "started")["run_id"]
         assert event(late.stderr, "skipped")["holder_run_id"] == holder_run
-        go.touch()
-        _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, stderr
-        assert "lock_lost" not in log.read_text()
+        end_cleanly(proc, go, log)
 
     @pytest.mark.parametrize(
         "args",

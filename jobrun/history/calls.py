@@ -191,9 +191,6 @@ class Calls:
         )
         return rows
 
-    def _shared_intermittent(self) -> bool:
-        return self._shared is not None and self._shared.intermittent
-
     def _lent(self) -> Connection | None:
         """The lent connection if it can still be used, else None."""
         conn = self._shared.connection() if self._shared is not None else None
@@ -201,7 +198,9 @@ class Calls:
 
     def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
         conn = self._lent()
-        self._on_lock_session = conn is not None and not self._shared_intermittent()
+        self._on_lock_session = (
+            conn is not None and self._shared is not None and not (self._shared.intermittent)
+        )
         if conn is None or self._shared is None:
             # Nothing lent: lease mode holds no connection between its statements, or the
             # lock session is gone (and the lock with it). Session mode then opens its one
