@@ -484,22 +484,22 @@ def service_env(dsn, pg_address, tmp_path) -> dict[str, str]:
     return {"PGSERVICEFILE": str(path)}
 
 
+def touch_run(
+    *options: str, key: str, tmp_path: Path, dsn: str | None, env: dict[str, str]
+) -> tuple[CompletedProcess[str], Path]:
+    """`jobrun OPTIONS --key K -- touch F`: (the result, F, which exists if the child ran)."""
+    marker = tmp_path / "ran"
+    result = jobrun_cli.run(*options, "--key", key, "--", "touch", str(marker), dsn=dsn, env=env)
+    return result, marker
+
+
 class TestServiceFile:
     """``--dsn service=NAME`` takes the connection from PGSERVICEFILE, as libpq programs do."""
 
     def test_a_run_connects_through_the_service(self, service_env, key, tmp_path):
         """`jobrun --dsn service=jobrun_test --key K -- touch F`: exit 0, and the child ran."""
-        marker = tmp_path / "ran"
-        result = jobrun_cli.run(
-            "--dsn",
-            f"service={SERVICE}",
-            "--key",
-            key,
-            "--",
-            "touch",
-            str(marker),
-            dsn=None,
-            env=service_env,
+        result, marker = touch_run(
+            "--dsn", f"service={SERVICE}", key=key, tmp_path=tmp_path, dsn=None, env=service_env
         )
         assert result.returncode == 0, result.stderr
         assert marker.exists()
@@ -529,18 +529,10 @@ class TestServiceFile:
 
     def test_an_unknown_service_is_a_usage_error(self, service_env, key, tmp_path):
         """A service the file does not define: exit 64 naming it, and the child never ran."""
-        marker = tmp_path / "ran"
-        result = jobrun_cli.run(
-            "--dsn",
-            "service=jobrun_no_such_service",
-            "--key",
-            key,
-            "--",
-            "touch",
-            str(marker),
-            dsn=None,
-            env=service_env,
-        )
+        result, marker = touch_run(
+            "--dsn", "service=jobrun_no_such_service",
+            key=key, tmp_path=tmp_path, dsn=None, env=service_env,
+        )  # fmt: skip
         assert result.returncode == 64, result.stderr
         assert "jobrun_no_such_service" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -593,31 +585,25 @@ def passfile_env(server: PgServer, password: str, tmp_path: Path) -> dict[str, s
     return {"PGPASSFILE": str(path), "PGPASSWORD": ""}
 
 
-def run_with_passfile(
-    server: PgServer, password: str, key: str, tmp_path: Path
-) -> tuple[CompletedProcess[str], Path]:
-    """`jobrun --key K -- touch F` as the password role, ``password`` in PGPASSFILE: (result, F)."""
-    marker = tmp_path / "ran"
-    result = jobrun_cli.run(
-        "--no-history", "--key", key, "--", "touch", str(marker),
-        dsn=role_dsn(server), env=passfile_env(server, password, tmp_path),
-    )  # fmt: skip
-    return result, marker
-
-
 class TestPasswordFile:
     """PGPASSFILE supplies the password of a role the server asks one of."""
 
     def test_the_passfiles_password_logs_in(self, password_server, key, tmp_path):
         """The password is in PGPASSFILE alone: exit 0, and the child ran."""
-        result, marker = run_with_passfile(password_server, PASSWORD, key, tmp_path)
+        result, marker = touch_run(
+            "--no-history", key=key, tmp_path=tmp_path, dsn=role_dsn(password_server),
+            env=passfile_env(password_server, PASSWORD, tmp_path),
+        )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert marker.exists()
 
     def test_a_wrong_password_is_refused_and_not_shown(self, password_server, key, tmp_path):
         """A wrong password in PGPASSFILE: exit 69, reason refused, the password never shown."""
         wrong = "pgpass-Wrong-0815"
-        result, marker = run_with_passfile(password_server, wrong, key, tmp_path)
+        result, marker = touch_run(
+            "--no-history", key=key, tmp_path=tmp_path, dsn=role_dsn(password_server),
+            env=passfile_env(password_server, wrong, tmp_path),
+        )  # fmt: skip
         assert result.returncode == 69, result.stderr
         assert event(result.stderr, "lockstore_unavailable")["reason"] == "refused"
         assert wrong not in result.stdout + result.stderr
