@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import uuid
@@ -62,6 +63,36 @@ def pytest_report_header() -> list[str]:
     except (PgBinNotFoundError, OSError, subprocess.SubprocessError) as exc:
         detail = f"unavailable: {exc}"
     return [f"jobrun test server: private throwaway server, started once per session ({detail})"]
+
+
+#: A test is marked by what it uses, so ``-m "not pg"`` is always the tier without a server.
+MARKS_FROM_FIXTURES = {
+    "pg": ("pg_admin_dsn", "private_server_factory", "pgbouncer", "pair", "staging"),
+    "fault": ("private_server_factory", "pair"),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test ``pg`` / ``fault`` from the fixtures it uses (directly or not)."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for mark, fixtures in MARKS_FROM_FIXTURES.items():
+            if used.intersection(fixtures):
+                item.add_marker(mark)
+        if item.get_closest_marker("fault") and not item.get_closest_marker("pg"):
+            item.add_marker("pg")  # a fault test always has a server of its own
+
+
+@pytest.fixture(autouse=True)
+def _leaks_fail_their_own_test() -> Iterator[None]:
+    """Collect garbage as each test ends.
+
+    A Popen still running or a file left open is reported (a ResourceWarning, an error under
+    ``filterwarnings = error``) when it is collected: collecting here pins it on the test that
+    leaked it, not on whichever test happens to run next on the same worker.
+    """
+    yield
+    gc.collect()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

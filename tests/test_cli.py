@@ -203,6 +203,7 @@ class TestLeanImports:
         assert "HEAVY []" in result.stderr, result.stderr
 
 
+@pytest.mark.pg  # starts a throwaway server of its own
 class TestDemo:
     """`jobrun demo`, the README's quick start."""
 

@@ -22,6 +22,7 @@ from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
 from support import jobrun_cli
 from support.jobrun_cli import event
+from support.pgserver import server_major
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -159,11 +160,14 @@ class TestBusyServer:
     SETTINGS: ClassVar[dict[str, str]] = {
         "max_connections": "3",
         "superuser_reserved_connections": "0",
+        # PostgreSQL 16 added a second reserve (pg_use_reserved_connections); older servers
+        # refuse to start with a setting they do not know.
+        **({"reserved_connections": "0"} if server_major() >= 16 else {}),
     }
 
     def test_too_many_clients_is_waited_out(self, private_server_factory, key, tmp_path):
         """Every slot taken: jobrun retries, and runs as soon as one is freed."""
-        server = private_server_factory({**self.SETTINGS, "reserved_connections": "0"})
+        server = private_server_factory(self.SETTINGS)
         held = fill_server(server.dsn(), 3)
         before = refusals(server.log_path, "too many clients")
         marker = tmp_path / "ran"
@@ -195,7 +199,7 @@ class TestBusyServer:
 
     def test_full_until_the_timeout_is_refused(self, private_server_factory, key):
         """Still full at --connect-timeout: exit 69, reason refused, in the server's words."""
-        server = private_server_factory({**self.SETTINGS, "reserved_connections": "0"})
+        server = private_server_factory(self.SETTINGS)
         held = fill_server(server.dsn(), 3)
         try:
             result = jobrun_cli.run(

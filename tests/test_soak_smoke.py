@@ -22,6 +22,7 @@ SOAK = ROOT / "benchmarks" / "soak.py"
 
 @pytest.mark.fault
 @pytest.mark.timeout(600)
+@pytest.mark.pg  # starts servers of its own
 def test_a_short_soak_has_no_overlap_orphan_or_internal_error(tmp_path):
     """Overlaps outside the documented window, orphans, exit 70 and hangs: all 0."""
     figures_path = tmp_path / "soak.json"

@@ -103,6 +103,7 @@ def test_private_server_applies_settings(
 
 
 @pytest.mark.fault
+@pytest.mark.pg  # starts a server of its own
 def test_private_server_context_manager_cleans_up() -> None:
     with PgServer.start() as server:
         base_dir = server.base_dir
@@ -116,6 +117,7 @@ def test_private_server_context_manager_cleans_up() -> None:
 
 
 @pytest.mark.fault
+@pytest.mark.pg  # starts a server of its own
 def test_a_server_that_fails_to_start_leaves_nothing_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -156,6 +158,7 @@ def test_standby_streams_and_takes_over_when_promoted(private_server: PgServer) 
 
 
 @pytest.mark.fault
+@pytest.mark.pg  # starts a server of its own
 def test_failover_loses_what_replication_held_back() -> None:
     with FailoverPair() as pair:
         with psycopg.connect(pair.dsn(), autocommit=True) as conn:

