@@ -66,7 +66,8 @@ def open_log(path: str, stdin: IO[bytes] | None) -> Iterator[tuple[IO[str], str 
             opened = cast("IO[bytes]", bz2.BZ2File(raw, "rb"))
         elif packed == "xz":
             opened = cast("IO[bytes]", lzma.LZMAFile(raw, "rb"))  # noqa: SIM115
-        text = io.TextIOWrapper(opened, encoding="utf-8", errors="replace", newline="")
+        # Lines end at a newline only: a carriage return inside a statement stays in it.
+        text = io.TextIOWrapper(opened, encoding="utf-8", errors="replace", newline="\n")
         try:
             yield text, packed
         except (OSError, EOFError, lzma.LZMAError) as exc:  # a truncated or damaged archive
