@@ -153,3 +153,16 @@ class TestPrefixChoice:
             (deadlock,) = deadlocks.find([str(path)]).deadlocks
             assert (deadlock.user, deadlock.db) == (user, db)
             assert deadlock.sides[0].application == application
+
+    def test_a_quiet_start_does_not_hide_the_layout(self, tmp_path):
+        """3,000 checkpoint lines first (alike in every layout): Debian's still read right."""
+        quiet = "".join(
+            f"2026-12-01 01:{n // 60 % 60:02d}:{n % 60:02d}.000 UTC [99] LOG:  checkpoint\n"
+            for n in range(3000)
+        )
+        debian = "2026-12-01 02:08:12.163 UTC [4177] jobs@staging "
+        text = quiet + DEADLOCK.format(statement="UPDATE b").replace(HEAD, debian)
+        found = found_in(tmp_path, text)
+        (deadlock,) = found.deadlocks
+        assert found.files[0].prefix == "%m [%p] %q%u@%d "
+        assert (deadlock.user, deadlock.db) == ("jobs", "staging")

@@ -14,7 +14,7 @@ from typing import IO, TYPE_CHECKING
 
 from jobrun.deadlocks import envelopes, records
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import Layout, choose_prefix, prefix_pattern
+from jobrun.deadlocks.prefix import Layout, PrefixChooser, prefix_pattern
 from jobrun.deadlocks.sources import container_lead, strip_lead
 
 if TYPE_CHECKING:
@@ -22,8 +22,10 @@ if TYPE_CHECKING:
 
     from jobrun.deadlocks.envelopes import Line
 
-#: Lines read to choose the stderr prefix layout before the real pass starts.
+#: Lines read to choose the stderr prefix layout before the real pass starts, and how far
+#: that goes while the lines read cannot tell the best layouts apart.
 SNIFF_LINES = 2000
+MAX_SNIFF_LINES = 32000
 #: JSON records read to tell their shape (CloudNativePG starts with the operator's own).
 SNIFF_RECORDS = 1000
 #: The start of a JSON array of records (``gcloud logging read --format=json``), as
@@ -109,7 +111,18 @@ def _stderr(
     if prefix is not None:
         layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
     else:
-        layout = choose_prefix([text for _, text, _, _ in sniffed], pid_known=pid_known)
+        chooser = PrefixChooser(pid_known=pid_known)
+        chooser.add(text for _, text, _, _ in sniffed)
+        layout, tied = chooser.best()
+        # A quiet server's log can open with thousands of checkpoint lines, which every
+        # layout with %q reads alike: read on until a session's line tells them apart.
+        while tied and len(sniffed) < MAX_SNIFF_LINES:
+            more = list(itertools.islice(lines, len(sniffed)))
+            if not more:
+                break
+            sniffed += more
+            chooser.add(text for _, text, _, _ in more)
+            layout, tied = chooser.best()
     if layout is None:
         return Reading(None, why=_NOT_A_LOG)
     reading = Reading(fmt, prefix=layout.prefix)

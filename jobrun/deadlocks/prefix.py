@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 #: ``log_line_prefix`` values seen in the wild. When none is given, each is scored on the
 #: first lines of the log (see :func:`choose_prefix`); their order here does not matter.
@@ -111,8 +115,8 @@ def prefix_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"\A{body}{_MESSAGE.pattern}", re.DOTALL)
 
 
-def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None:
-    """The common layout that reads these lines best, if any reads one.
+class PrefixChooser:
+    """Scores the common layouts on a log's first lines; more lines can be added to settle a tie.
 
     Scored per layout, best first: the lines it parses (with a pid, unless the envelope
     carries it); then how many of their fields are pinned down (a timestamp, a pid, a
@@ -120,23 +124,44 @@ def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None
     ``%m [%p] %q%u@%d`` reads ``postgres@postgres`` as a user and a database, not as an
     application name; then how many fields it names at all.
     """
-    candidates = COMMON_PREFIXES + (ENVELOPED_PREFIXES if pid_known else ())
-    best: tuple[tuple[int, int, int], Layout | None] = ((0, 0, 0), None)
-    stripped = [line.rstrip("\r\n") for line in lines if line[:1] not in {"\t", " ", ""}]
-    for candidate in candidates:
-        pattern = prefix_pattern(candidate)
-        hits = typed = named = 0
-        for line in stripped:
-            match = pattern.match(line)
-            if match is None:
-                continue
-            groups = match.groupdict()
-            if not pid_known and not (groups.get("pid") or groups.get("session")):
-                continue
-            hits += 1
-            typed += sum(1 for name in _TYPED if groups.get(name))
-            named += sum(1 for name, value in groups.items() if value and name != "message")
-        score = (hits, typed, named)
-        if hits and score > best[0]:
-            best = (score, Layout(candidate, pattern))
-    return best[1]
+
+    def __init__(self, *, pid_known: bool = False) -> None:
+        self._pid_known = pid_known
+        candidates = COMMON_PREFIXES + (ENVELOPED_PREFIXES if pid_known else ())
+        self._scores = {Layout(c, prefix_pattern(c)): (0, 0, 0) for c in candidates}
+
+    def add(self, lines: Iterable[str]) -> None:
+        """Score these lines (continuation lines, which carry no prefix, are skipped)."""
+        stripped = [line.rstrip("\r\n") for line in lines if line[:1] not in {"\t", " ", ""}]
+        for layout, score in self._scores.items():
+            hits, typed, named = score
+            for line in stripped:
+                match = layout.pattern.match(line)
+                if match is None:
+                    continue
+                groups = match.groupdict()
+                if not self._pid_known and not (groups.get("pid") or groups.get("session")):
+                    continue
+                hits += 1
+                typed += sum(1 for name in _TYPED if groups.get(name))
+                named += sum(1 for name, value in groups.items() if value and name != "message")
+            self._scores[layout] = (hits, typed, named)
+
+    def best(self) -> tuple[Layout | None, bool]:
+        """The best layout (None if none reads a line), and whether another scores the same.
+
+        A tie is broken by the order of COMMON_PREFIXES; it happens when the lines so far
+        cannot tell the layouts apart (only background processes, which ``%q`` cuts short).
+        """
+        ranked = sorted(self._scores.items(), key=lambda item: item[1], reverse=True)
+        (layout, score), *others = ranked
+        if score[0] == 0:
+            return None, False
+        return layout, any(other == score for _, other in others)
+
+
+def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None:
+    """The common layout that reads these lines best, if any reads one."""
+    chooser = PrefixChooser(pid_known=pid_known)
+    chooser.add(lines)
+    return chooser.best()[0]
