@@ -100,6 +100,22 @@ class TestSyslog:
         (deadlock,) = found.deadlocks
         assert deadlock.sides[1].statement == statement
 
+    def test_a_whole_system_syslog_is_read(self, tmp_path):
+        """/var/log/syslog, mostly other daemons' lines (most without a pid): still read."""
+        others = (
+            "Dec  1 02:08:11 db1 kernel: [ 12.345678] eth0: link up\n"
+            "Dec  1 02:08:11 db1 kernel: [ 12.345679] eth1: link up\n"
+            "Dec  1 02:08:11 db1 sshd[812]: Accepted publickey for ops from 10.0.0.9\n"
+        ) * 5
+        server = "".join(
+            f"Dec  1 02:08:12 db1 postgres[4177]: [7-{n}] {line.replace(chr(9), '#011')}\n"
+            for n, line in enumerate(DEADLOCK.format(statement="UPDATE b").splitlines(), 1)
+        )
+        found = found_in(tmp_path, others + server + others)
+        assert found.files[0].format == "syslog"
+        (deadlock,) = found.deadlocks
+        assert [side.statement for side in deadlock.sides] == ["UPDATE a SET x = 1", "UPDATE b"]
+
 
 class TestCloudSql:
     """Cloud SQL's export as its records look: the text without its time, one line each."""

@@ -39,12 +39,18 @@ _SYSLOG_CHUNK = 900
 _CONTINUED = re.compile(r".{0,200}?\b(?:DETAIL|HINT|CONTEXT|STATEMENT|QUERY|LOCATION):  ")
 
 
+#: Any syslog line, with or without a pid: a whole /var/log/syslog holds other daemons too.
+_ANY_SYSLOG = re.compile(
+    r"(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\S*) \S+ [^\s:]+: "
+)
+
+
 def sniff_envelope(lines: list[str]) -> re.Pattern[str] | None:
     """SYSLOG or LOGPLEX when most of these lines are wrapped so, else None."""
     filled = [line.rstrip("\r\n") for line in lines if line.strip()]
-    for envelope in (LOGPLEX, SYSLOG):
-        wrapped = sum(1 for line in filled if envelope.match(line))
-        if filled and wrapped * 2 > len(filled):
+    for envelope, shape in ((LOGPLEX, LOGPLEX), (SYSLOG, _ANY_SYSLOG)):
+        wrapped = sum(1 for line in filled if shape.match(line))
+        if filled and wrapped * 2 > len(filled) and any(map(envelope.match, filled)):
             return envelope
     return None
 

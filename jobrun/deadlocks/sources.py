@@ -27,7 +27,7 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
 #: What ``docker compose logs`` (``dev-postgres-1  | ``) and ``kubectl logs --prefix``
 #: (``[pod/name/container] ``) write before each line of a container's output.
 _LEADS = (
-    re.compile(r"[A-Za-z0-9][\w.-]*\s*\| ?"),
+    re.compile(r"[A-Za-z0-9][\w.-]*\s+\| ?"),
     re.compile(r"\[pod/[^\]\s]+\] "),
 )
 
