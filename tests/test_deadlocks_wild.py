@@ -189,6 +189,13 @@ WRAPPINGS = {
     "cloud-sql-array": ("stderr", "[%p]: [%l-1] db=%d,user=%u ", as_cloud_array, "exported-json"),
     "docker-compose": ("stderr", PREFIX_WITH_APP, lead("dev-postgres-1  | "), "stderr"),
     "kubectl-prefix": ("stderr", PREFIX_WITH_APP, lead("[pod/pg-0/postgres] "), "stderr"),
+    "kubectl-timestamps": (
+        "stderr",
+        PREFIX_WITH_APP,
+        lead("[pod/pg-0/postgres] 2026-12-01T02:00:04.123456789Z "),
+        "stderr",
+    ),
+    "rds-cloudwatch": ("stderr", "%t:%r:%u@%d:[%p]:", lead("2026-12-01T02:00:04.123Z "), "stderr"),
     "cloudnativepg": ("csv", PREFIX_WITH_APP, as_cloudnativepg, "cloudnativepg"),
     "azure-log-analytics": ("csv", PREFIX_WITH_APP, as_azure, "azure"),
 }
@@ -199,7 +206,11 @@ class TestWrappedRealLogs:
 
     @pytest.mark.parametrize("name", list(WRAPPINGS))
     def test_both_jobs_are_named_through_every_wrapping(self, logging_server, tmp_path, name):
-        """syslog, Heroku, Cloud SQL (lines and array), compose, kubectl, CloudNativePG, Azure."""
+        """syslog, Heroku, Cloud SQL, compose, kubectl, CloudWatch, CloudNativePG, Azure.
+
+        ``kubectl-timestamps`` is ``kubectl logs --prefix --timestamps``; ``rds-cloudwatch``
+        an RDS log with the time CloudWatch puts before each line.
+        """
         fmt, prefix, wrap, reported = WRAPPINGS[name]
         logs = logged_deadlock(logging_server, tmp_path, prefix)
         wrapped = tmp_path / f"{name}.log"

@@ -2,7 +2,7 @@
 
 Formats: stderr (any ``log_line_prefix``), csvlog, jsonlog, CloudNativePG and Azure JSON,
 syslog, Heroku logplex, Cloud Logging exports (JSON lines or one array); each possibly
-behind a ``docker compose logs`` or ``kubectl logs --prefix`` lead.
+behind a ``docker compose logs`` or ``kubectl logs --prefix`` lead, or a time in front.
 """
 
 from __future__ import annotations

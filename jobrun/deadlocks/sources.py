@@ -24,11 +24,12 @@ _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"BZh", "bzip2"),
     (b"\xfd7zXZ\x00", "xz"),
 )
-#: What ``docker compose logs`` (``dev-postgres-1  | ``) and ``kubectl logs --prefix``
-#: (``[pod/name/container] ``) write before each line of a container's output.
-_LEADS = (
-    re.compile(r"[A-Za-z0-9][\w.-]*\s+\| ?"),
-    re.compile(r"\[pod/[^\]\s]+\] "),
+#: What a tool writes before each line of a server's output: ``docker compose logs``
+#: (``dev-postgres-1  | ``) or ``kubectl logs --prefix`` (``[pod/name/container] ``), then
+#: the time that ``--timestamps`` (docker, kubectl) or a CloudWatch export adds.
+_LEAD = re.compile(
+    r"(?:[A-Za-z0-9][\w.-]*\s+\| ?|\[pod/[^\]\s]+\] )?"
+    r"(?:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z )?"
 )
 
 
@@ -75,11 +76,10 @@ def open_log(path: str, stdin: IO[bytes] | None) -> Iterator[tuple[IO[str], str 
 
 
 def container_lead(line: str) -> re.Pattern[str] | None:
-    """The lead a container log tool wrote before this (first) line, if any."""
-    for lead in _LEADS:
-        match = lead.match(line)
-        if match and _looks_like_log(line[match.end() :]):
-            return lead
+    """The lead pattern when a tool wrote one before this (first) line, else None."""
+    match = _LEAD.match(line)
+    if match and match.end() and _looks_like_log(line[match.end() :]):
+        return _LEAD
     return None
 
 
