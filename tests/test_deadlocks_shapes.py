@@ -6,6 +6,7 @@ cloud export) writes it; none comes from a server.
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,23 @@ class TestPastedLogs:
         text = DEADLOCK.format(statement="UPDATE b").replace(":  ", ": ")
         (deadlock,) = found_in(tmp_path, text).deadlocks
         assert len(deadlock.sides) == 2
+
+
+class TestDamagedFiles:
+    """A file that breaks off while read is reported on its own line; the others are read."""
+
+    def test_a_truncated_archive_exits_66_after_the_other_files(self, tmp_path):
+        """A .gz cut short next to a good log: the good log's deadlock printed, exit 66."""
+        good = tmp_path / "good.log"
+        good.write_text(DEADLOCK.format(statement="UPDATE b"))
+        cut = tmp_path / "cut.log.gz"
+        cut.write_bytes(gzip.compress(good.read_bytes() * 50)[:200])
+        result = jobrun_cli.run("deadlocks", str(cut), str(good), dsn=None)
+        assert result.returncode == 66, result.stderr
+        assert "jobrun:a" in result.stdout
+        assert f"{cut}: not read: cannot read" in result.stdout
+        (line,) = result.stderr.strip().splitlines()
+        assert str(cut) in line
 
 
 class TestEscaping:

@@ -58,6 +58,7 @@ def find(
 
 
 def _read(path: str, prefix: str | None, stdin: IO[bytes] | None) -> _Scanner:
+    """One file read to its end; its FileRead says what it was read as, or why not."""
     scanner = _Scanner(path if path != "-" else "(stdin)")
     try:
         with open_log(path, stdin) as (stream, packed):
@@ -68,7 +69,8 @@ def _read(path: str, prefix: str | None, stdin: IO[bytes] | None) -> _Scanner:
         scanner.file.error, scanner.file.status = str(exc), NoInputError.exit_code
         return scanner
     read = scanner.file
-    read.format = reading.format if packed is None else f"{reading.format}, {packed}"
+    packing = f", {packed}" if packed is not None and reading.format is not None else ""
+    read.format = reading.format and reading.format + packing
     read.prefix, read.reindented = reading.prefix, reading.reindented
     read.entries, read.deadlocks = scanner.entries, len(scanner.deadlocks)
     if reading.format is None:
