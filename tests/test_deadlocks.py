@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import re
@@ -181,8 +180,8 @@ class TestRealLogs:
         """%c, %x and %l in an order no guess covers: named with --log-line-prefix."""
         prefix = "%l|%c|%x|%a|%m|"
         logs = logged_deadlock(logging_server, tmp_path, prefix)
-        with pytest.raises(deadlocks.NotALogError):
-            deadlocks.find([str(logs["stderr"])])
+        (unread,) = deadlocks.find([str(logs["stderr"])]).unread
+        assert "--log-line-prefix" in str(unread.error)
         deadlock = only_deadlock(logs["stderr"], prefix=prefix)
         assert {side.application for side in deadlock.sides} == set(JOBS)
         # No %p: the pid comes from the session id (%c is <start>.<pid> in hex).
@@ -235,7 +234,7 @@ class TestRealLogs:
             )
         )
         found = deadlocks.find([str(export)])
-        assert found.files[0]["format"] == "exported-json"
+        assert found.files[0].format == "exported-json"
         (deadlock,) = found.deadlocks
         assert {side.application for side in deadlock.sides} == set(JOBS)
         assert all(side.statement for side in deadlock.sides)
@@ -249,7 +248,7 @@ class TestRealLogs:
             result = jobrun_cli.run("deadlocks", "--json", "-", str(packed), dsn=None, stdin=stdin)
         assert result.returncode == 0, result.stderr
         out = json.loads(result.stdout)
-        assert [f["format"] for f in out["files"]] == ["json", "csv"]
+        assert [f["format"] for f in out["files"]] == ["json", "csv, gzip"]
         for deadlock in out["deadlocks"]:
             assert {side["job"] for side in deadlock["sides"]} == {"job-a", "job-b"}
 
@@ -417,5 +416,4 @@ class TestBadInput:
         path = tmp_path_factory.mktemp("bytes") / "log"
         path.write_bytes(mixed)
         for fmt_prefix in (None, PREFIX_WITH_APP):
-            with contextlib.suppress(deadlocks.NotALogError):
-                deadlocks.report(deadlocks.find([str(path)], prefix=fmt_prefix))
+            deadlocks.report(deadlocks.find([str(path)], prefix=fmt_prefix))

@@ -2,6 +2,6 @@
 
 from jobrun.deadlocks.model import Deadlock
 from jobrun.deadlocks.render import describe, report, run
-from jobrun.deadlocks.scan import NotALogError, find
+from jobrun.deadlocks.scan import find
 
-__all__ = ["Deadlock", "NotALogError", "describe", "find", "report", "run"]
+__all__ = ["Deadlock", "describe", "find", "report", "run"]

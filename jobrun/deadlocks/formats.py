@@ -1,153 +1,172 @@
-"""Read a server log's entries from its stderr, csvlog or jsonlog lines, plain or gzipped."""
+"""Tell a log's format from its first lines and read its entries, streamed.
+
+Formats: stderr (any ``log_line_prefix``), csvlog, jsonlog, CloudNativePG and Azure JSON,
+syslog, Heroku logplex, Cloud Logging exports (JSON lines or one array); each possibly
+behind a ``docker compose logs`` or ``kubectl logs --prefix`` lead, or a time in front.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import gzip
-import io
 import itertools
-import json
 import re
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, cast
+from typing import IO, TYPE_CHECKING
 
-from jobrun.deadlocks.prefix import SEVERITIES, choose_prefix, prefix_pattern
-from jobrun.exitcodes import Exit, JobrunError
+from jobrun.deadlocks import envelopes, records
+from jobrun.deadlocks.model import Entry
+from jobrun.deadlocks.prefix import Layout, PrefixChooser, prefix_pattern
+from jobrun.deadlocks.sources import container_lead, strip_lead
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
-#: Lines read to choose the stderr prefix layout before the real pass starts.
+    from jobrun.deadlocks.envelopes import Line
+
+#: Lines read to choose the stderr prefix layout before the real pass starts, and how far
+#: that goes while the lines read cannot tell the best layouts apart.
 SNIFF_LINES = 2000
-#: Longest csvlog field accepted (a statement of a bulk INSERT can be megabytes).
-_CSV_FIELD_LIMIT = 64 * 1024 * 1024
-
-
-class NoInputError(JobrunError):
-    """A log file is missing or unreadable."""
-
-    exit_code = Exit.NO_INPUT
-    event = "no_input"
+MAX_SNIFF_LINES = 32000
+#: JSON records read to tell their shape (CloudNativePG starts with the operator's own).
+SNIFF_RECORDS = 1000
+#: The start of a JSON array of records (``gcloud logging read --format=json``), as
+#: opposed to a line that starts with ``[pid]`` (Cloud SQL's text without its time).
+_ARRAY = re.compile(r"\[\s*(?:\{|\Z)")
+#: A DETAIL line of a deadlock pasted with no indentation at all.
+_BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
+_NOT_A_LOG = (
+    "nothing in it looks like a PostgreSQL server log (stderr, csvlog, jsonlog, syslog, "
+    "or a cloud export); if the stderr prefix is unusual, pass --log-line-prefix as set "
+    "in postgresql.conf"
+)
 
 
 @dataclass
-class Entry:
-    """One log message with the lines that belong to it (DETAIL, CONTEXT, STATEMENT...)."""
+class Reading:
+    """How a file is read: its format (None: not understood, and why) and its entries."""
 
-    source: str
-    line: int
-    severity: str
-    message: str
-    pid: int | None = None
-    app: str | None = None
-    time: str | None = None
-    user: str | None = None
-    db: str | None = None
-    sqlstate: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
+    format: str | None
+    entries: Iterator[Entry] = field(default_factory=lambda: iter(()))
+    prefix: str | None = None
+    why: str | None = None
+    #: Continuation lines indented with spaces, counted while the entries are read.
+    reindented: int = 0
 
 
-@contextlib.contextmanager
-def open_log(path: str, stdin: IO[bytes] | None) -> Iterator[IO[str]]:
-    """The log as text: undecodable bytes replaced, never an error; ``.gz`` unpacked."""
-    if path == "-":
-        raw: IO[bytes] = stdin if stdin is not None else sys.stdin.buffer
-        yield io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
-        return
-    try:
-        opened = cast(
-            "IO[bytes]",
-            gzip.GzipFile(path, "rb") if path.endswith(".gz") else Path(path).open("rb"),  # noqa: SIM115
-        )
-    except OSError as exc:
-        raise NoInputError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with opened:
-        text = io.TextIOWrapper(opened, encoding="utf-8", errors="replace", newline="")
-        try:
-            yield text
-        except (OSError, EOFError) as exc:  # a directory, a truncated .gz
-            raise NoInputError(f"cannot read {path}: {exc}") from None
-
-
-def read_entries(
-    stream: IO[str], source: str, prefix: str | None
-) -> tuple[str | None, Iterator[Entry]]:
-    """The log's format (None: not a PostgreSQL log) and its entries, streamed."""
+def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
+    """The log's format and its entries (streamed: read them before the next file)."""
     head: list[str] = []
     for line in stream:  # blank lines before the first entry are kept: line numbers count them
         head.append(line)
         if line.strip():
             break
     if not head or not head[-1].strip():
-        return "empty", iter(())
+        return Reading("empty")
+    lines: Iterator[str] = itertools.chain(head, stream)
     first = head[-1]
-    lines = _chain(head, stream)
-    if first.lstrip().startswith("{"):
-        if _exported(first) is None:
-            return "json", _json_entries(lines, source)
-        # Log explorer exports (Cloud SQL): one JSON record per line of a stderr log.
-        texts = (
-            line + "\n"
-            for text in map(_exported, lines)
-            if text is not None
-            for line in text.splitlines()
-        )
-        return _stderr("exported-json", texts, source, prefix)
-    if _looks_like_csv(first):
-        return "csv", _csv_entries(lines, source)
-    return _stderr("stderr", lines, source, prefix)
+    lead = container_lead(first)
+    if lead is not None:
+        lines = strip_lead(lines, lead)
+        first = next(strip_lead([first], lead))
+    start = first.lstrip()
+    if _ARRAY.match(start):
+        return _json(envelopes.json_records(lines, array=True), source, prefix)
+    if start.startswith("{"):
+        return _json(envelopes.json_records(lines, array=False), source, prefix)
+    if records.looks_like_csv(first):
+        return Reading("csv", records.csv_entries(lines, source))
+    sniffed = list(itertools.islice(lines, SNIFF_LINES))
+    envelope = envelopes.sniff_envelope(sniffed)
+    rest = itertools.chain(sniffed, lines)
+    if envelope is not None:
+        fmt = "logplex" if envelope is envelopes.LOGPLEX else "syslog"
+        return _stderr(fmt, envelopes.unwrap(rest, envelope), source, prefix, pid_known=True)
+    plain = ((number, line, None, None) for number, line in enumerate(rest, start=1))
+    return _stderr("stderr", plain, source, prefix, pid_known=False)
+
+
+def _json(
+    found: Iterator[tuple[int, dict[str, object]]], source: str, prefix: str | None
+) -> Reading:
+    sniffed = list(itertools.islice(found, SNIFF_RECORDS))
+    rest = itertools.chain(sniffed, found)
+    for _, record in sniffed:
+        shape = records.json_shape(record)
+        if shape is not None:
+            return Reading(shape, records.json_entries(rest, source))
+        if envelopes.cloud_text(record) is not None:
+            lines = envelopes.cloud_lines(rest)
+            return _stderr("exported-json", lines, source, prefix, pid_known=False)
+    return Reading(
+        None,
+        why="JSON, but no record is a PostgreSQL log record (jsonlog, CloudNativePG, "
+        "Azure Log Analytics, or a Cloud Logging export with textPayload)",
+    )
 
 
 def _stderr(
-    fmt: str, lines: Iterator[str], source: str, prefix: str | None
-) -> tuple[str | None, Iterator[Entry]]:
+    fmt: str, lines: Iterator[Line], source: str, prefix: str | None, *, pid_known: bool
+) -> Reading:
     """Entries of a stderr log, the prefix given or chosen from the first lines."""
     sniffed = list(itertools.islice(lines, SNIFF_LINES))
-    pattern = prefix_pattern(prefix) if prefix is not None else choose_prefix(sniffed)
-    if pattern is None:
-        return None, iter(())
-    return fmt, _stderr_entries(_chain(sniffed, lines), source, pattern)
+    if prefix is not None:
+        layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
+    else:
+        chooser = PrefixChooser(pid_known=pid_known)
+        chooser.add(text for _, text, _, _ in sniffed)
+        layout, tied = chooser.best()
+        # A quiet server's log can open with thousands of checkpoint lines, which every
+        # layout with %q reads alike: read on until a session's line tells them apart.
+        while tied and len(sniffed) < MAX_SNIFF_LINES:
+            more = list(itertools.islice(lines, len(sniffed)))
+            if not more:
+                break
+            sniffed += more
+            chooser.add(text for _, text, _, _ in more)
+            layout, tied = chooser.best()
+    if layout is None:
+        return Reading(None, why=_NOT_A_LOG)
+    reading = Reading(fmt, prefix=layout.prefix)
+    reading.entries = _stderr_entries(
+        itertools.chain(sniffed, lines), source, layout.pattern, reading
+    )
+    return reading
 
 
-def _chain(head: list[str], stream: Iterable[str]) -> Iterator[str]:
-    yield from head
-    yield from stream
-
-
-def _looks_like_csv(line: str) -> bool:
-    try:
-        row = next(csv.reader([line]))
-    except (csv.Error, StopIteration):
-        return False
-    # A first line may be cut by a quoted newline: the leading columns are enough.
-    return len(row) >= 12 and row[3].isdigit() and bool(re.fullmatch(SEVERITIES, row[11]))  # noqa: PLR2004
-
-
-def _stderr_entries(lines: Iterable[str], source: str, pattern: re.Pattern[str]) -> Iterator[Entry]:
+def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few lines
+    lines: Iterable[Line], source: str, pattern: re.Pattern[str], reading: Reading
+) -> Iterator[Entry]:
     """Entries of a stderr log.
 
     An entry is a prefixed line, its tab-indented continuation lines, and the DETAIL,
-    CONTEXT, STATEMENT... lines of the same process right after it.
+    CONTEXT, STATEMENT... lines of the same process right after it. A log copied through a
+    terminal, a ticket or a chat has its tabs turned into spaces: a line that starts with
+    spaces and has no prefix continues the entry too, less the indentation of its first
+    such line.
     """
     current: Entry | None = None
     last_key: str | None = None
-    for number, raw in enumerate(lines, start=1):
+    indent: int | None = None
+    for number, raw, envelope_pid, envelope_time in lines:
         line = raw.rstrip("\r\n")
-        if line.startswith("\t") and current is not None:
-            if last_key is None:
-                current.message += "\n" + line[1:]
-            else:
-                current.extra[last_key] += "\n" + line[1:]
+        if current is not None and line.startswith("\t"):
+            _continue(current, last_key, line[1:])
             continue
         match = pattern.match(line)
         if match is None:
-            continue  # output of a crashed extension, a pg_ctl message...
+            if current is None:
+                continue  # output of a crashed extension, a pg_ctl message...
+            spaces = len(line) - len(line.lstrip(" "))
+            if spaces and line.strip():
+                indent = spaces if indent is None else indent
+                reading.reindented += 1
+                _continue(current, last_key, line[min(indent, spaces) :])
+            elif last_key == "detail" and _BARE_PROCESS.match(line):
+                reading.reindented += 1
+                _continue(current, last_key, line)
+            continue
         groups = match.groupdict()
-        pid = int(groups["pid"]) if groups.get("pid") else None
-        if pid is None and groups.get("session"):
+        pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
+        if groups.get("session") and not groups.get("pid"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
         severity = groups["severity"]
         if (
@@ -157,6 +176,7 @@ def _stderr_entries(lines: Iterable[str], source: str, pattern: re.Pattern[str])
         ):
             current.extra[severity.lower()] = groups["message"]
             last_key = severity.lower()
+            indent = None
             continue
         if current is not None:
             yield current
@@ -167,115 +187,18 @@ def _stderr_entries(lines: Iterable[str], source: str, pattern: re.Pattern[str])
             message=groups["message"],
             pid=pid,
             app=groups.get("app") or None,
-            time=groups.get("time"),
+            time=groups.get("time") or envelope_time,
             user=groups.get("user") or None,
             db=groups.get("db") or None,
         )
         last_key = None
+        indent = None
     if current is not None:
         yield current
 
 
-#: csvlog columns (stable since 9.0 up to application_name; later versions append more).
-_CSV_COLUMNS = {
-    "time": 0,
-    "user": 1,
-    "db": 2,
-    "pid": 3,
-    "severity": 11,
-    "sqlstate": 12,
-    "message": 13,
-    "detail": 14,
-    "context": 18,
-    "statement": 19,
-    "app": 22,
-}
-
-
-def _csv_entries(lines: Iterable[str], source: str) -> Iterator[Entry]:
-    # WARNING: csv's default field limit (128 KiB) rejects a long statement; the limit is
-    # process-wide, so it is only ever raised.
-    csv.field_size_limit(max(csv.field_size_limit(), _CSV_FIELD_LIMIT))
-    reader = csv.reader(lines)
-    while True:
-        start = reader.line_num + 1
-        try:
-            row = next(reader)
-        except StopIteration:
-            return
-        except csv.Error:
-            continue  # a damaged record: skip it, keep reading
-        if len(row) <= _CSV_COLUMNS["severity"] or not row[3].isdigit():
-            continue
-
-        def column(name: str, row: list[str] = row) -> str | None:
-            index = _CSV_COLUMNS[name]
-            return row[index] or None if index < len(row) else None
-
-        entry = Entry(
-            source=source,
-            line=start,
-            severity=row[11],
-            message=row[13] if len(row) > 13 else "",  # noqa: PLR2004
-            pid=int(row[3]),
-            app=column("app"),
-            time=column("time"),
-            user=column("user"),
-            db=column("db"),
-            sqlstate=column("sqlstate"),
-        )
-        for key in ("detail", "context", "statement"):
-            value = column(key)
-            if value is not None:
-                entry.extra[key] = value
-        yield entry
-
-
-def _json_entries(lines: Iterable[str], source: str) -> Iterator[Entry]:
-    """Entries of a jsonlog file (PostgreSQL 15+): one JSON object per message."""
-    for number, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        if "error_severity" not in record:
-            continue
-        pid = record.get("pid")
-        entry = Entry(
-            source=source,
-            line=number,
-            severity=str(record.get("error_severity")),
-            message=str(record.get("message") or ""),
-            pid=pid if isinstance(pid, int) else None,
-            app=_text(record.get("application_name")),
-            time=_text(record.get("timestamp")),
-            user=_text(record.get("user")),
-            db=_text(record.get("dbname")),
-            sqlstate=_text(record.get("state_code")),
-        )
-        for key, name in (("detail", "detail"), ("context", "context"), ("statement", "statement")):
-            value = _text(record.get(name))
-            if value is not None:
-                entry.extra[key] = value
-        yield entry
-
-
-def _exported(line: str) -> str | None:
-    """The stderr line in a Cloud Logging export record (textPayload, jsonPayload.message)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(record, dict):
-        return None
-    payload = record.get("jsonPayload")
-    if isinstance(payload, dict) and isinstance(payload.get("message"), str):
-        return str(payload["message"])
-    text = record.get("textPayload")
-    return text if isinstance(text, str) else None
-
-
-def _text(value: object) -> str | None:
-    return str(value) if value not in (None, "") else None
+def _continue(entry: Entry, key: str | None, text: str) -> None:
+    if key is None:
+        entry.message += "\n" + text
+    else:
+        entry.extra[key] += "\n" + text

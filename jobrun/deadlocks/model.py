@@ -1,4 +1,4 @@
-"""What a deadlock is made of: its sides, and the sides read from its DETAIL."""
+"""What a log entry and a deadlock are made of: entries, sides, deadlocks, files read."""
 
 from __future__ import annotations
 
@@ -9,9 +9,27 @@ from typing import Any
 #: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
 JOB_PREFIX = "jobrun:"
 _WAITS = re.compile(
-    r"Process (?P<pid>\d+) waits for (?P<lock>.+?); blocked by process (?P<blocker>\d+)\.\Z"
+    r"\s*Process (?P<pid>\d+) waits for (?P<lock>.+?); blocked by process (?P<blocker>\d+)\.\s*\Z"
 )
-_RUNS = re.compile(r"Process (?P<pid>\d+): (?P<statement>.*)\Z", re.DOTALL)
+#: A copy that strips trailing blanks leaves ``Process 4178:`` without its space.
+_RUNS = re.compile(r"\s*Process (?P<pid>\d+):(?: (?P<statement>.*))?\Z", re.DOTALL)
+
+
+@dataclass
+class Entry:
+    """One log message with the lines that belong to it (DETAIL, CONTEXT, STATEMENT...)."""
+
+    source: str
+    line: int
+    severity: str
+    message: str
+    pid: int | None = None
+    app: str | None = None
+    time: str | None = None
+    user: str | None = None
+    db: str | None = None
+    sqlstate: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Deadlock:
     sides: list[Side]
     context: str | None = None
     statement: str | None = None
+    #: Other files where the same deadlock was logged (the csvlog and jsonlog of one server).
+    also_in: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The deadlock for ``--json``."""
@@ -73,6 +93,55 @@ class Deadlock:
             "sides": [side.as_json() for side in self.sides],
             "context": self.context,
             "statement": self.statement,
+            "also_in": self.also_in,
+        }
+
+
+@dataclass
+class FileRead:
+    """What one file was read as, and what it held; or why it could not be read."""
+
+    source: str
+    format: str | None = None
+    prefix: str | None = None
+    entries: int = 0
+    deadlocks: int = 0
+    #: Deadlocks of this file already counted from another file.
+    duplicates: int = 0
+    #: Continuation lines indented with spaces instead of a tab.
+    reindented: int = 0
+    error: str | None = None
+    #: The exit status this file alone calls for: 0, 65 (not understood), 66 (unreadable).
+    status: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        """The file for ``--json``."""
+        return {
+            "source": self.source,
+            "format": self.format,
+            "prefix": self.prefix,
+            "entries": self.entries,
+            "deadlocks": self.deadlocks,
+            "duplicates": self.duplicates,
+            "reindented_lines": self.reindented,
+            "error": self.error,
+        }
+
+
+@dataclass
+class Storm:
+    """Deadlocks of the same sides in quick succession: a job retrying into the same cycle."""
+
+    sides: list[str]
+    deadlocks: list[Deadlock]
+
+    def as_json(self) -> dict[str, Any]:
+        """The storm for ``--json``."""
+        return {
+            "sides": self.sides,
+            "deadlocks": len(self.deadlocks),
+            "first": self.deadlocks[0].time,
+            "last": self.deadlocks[-1].time,
         }
 
 
@@ -81,13 +150,20 @@ class Found:
     """What the logs held: the deadlocks, and per file its format and lines read."""
 
     deadlocks: list[Deadlock] = field(default_factory=list)
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[FileRead] = field(default_factory=list)
+    storms: list[Storm] = field(default_factory=list)
+
+    @property
+    def unread(self) -> list[FileRead]:
+        """The files that could not be read as a server log."""
+        return [read for read in self.files if read.error is not None]
 
     def as_json(self) -> dict[str, Any]:
         """The whole result for ``--json``."""
         return {
             "deadlocks": [deadlock.as_json() for deadlock in self.deadlocks],
-            "files": self.files,
+            "files": [read.as_json() for read in self.files],
+            "storms": [storm.as_json() for storm in self.storms],
         }
 
 
@@ -111,8 +187,8 @@ def parse_detail(detail: str) -> list[Side]:
         runs = _RUNS.match(line)
         if runs and (int(runs["pid"]) in sides or not sides):
             current = sides.setdefault(int(runs["pid"]), Side(int(runs["pid"])))
-            current.statement = runs["statement"]
+            current.statement = runs["statement"] or ""
             continue
         if current is not None and current.statement is not None:
-            current.statement += "\n" + line
+            current.statement = f"{current.statement}\n{line}" if current.statement else line
     return list(sides.values())

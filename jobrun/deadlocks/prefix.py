@@ -1,11 +1,16 @@
-"""``log_line_prefix`` as a regular expression: a given prefix, or the common one that fits."""
+"""``log_line_prefix`` as a regular expression: a given prefix, or the common one that fits best."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-#: ``log_line_prefix`` values seen in the wild, tried in this order when none is given: with
-#: ``%a`` first, because a layout without it also matches part of a line that has it.
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+#: ``log_line_prefix`` values seen in the wild. When none is given, each is scored on the
+#: first lines of the log (see :func:`choose_prefix`); their order here does not matter.
 COMMON_PREFIXES: tuple[str, ...] = (
     "%m [%p] %q%u@%d %a ",  # Debian's default plus the application name
     "%m [%p] %q%a %u@%d ",
@@ -14,18 +19,27 @@ COMMON_PREFIXES: tuple[str, ...] = (
     "%t [%p]: [%l-1] user=%u,db=%d,app=%a,client=%h ",  # the layout pgBadger documents
     "%t [%p]: user=%u,db=%d,app=%a,client=%h ",
     "%m [%p]: [%l-1] db=%d,user=%u ",  # Cloud SQL
+    "[%p]: [%l-1] db=%d,user=%u ",  # Cloud SQL's textPayload: the time is the record's
     "%t:%r:%u@%d:[%p]:",  # Amazon RDS
+    "%t-%c-",  # Azure Database for PostgreSQL
     "%m [%p] %q%u@%d ",  # Debian and Ubuntu
     "%t [%p]: [%l-1] user=%u,db=%d,client=%h ",
     "%m [%p] ",  # PostgreSQL's own default
     "%t [%p] ",
+)
+#: Extra layouts for lines whose envelope (syslog, Heroku, a cloud export) carries the pid.
+ENVELOPED_PREFIXES: tuple[str, ...] = (
+    "sql_error_code = %e ",  # Heroku Postgres
+    "",  # syslog with no log_line_prefix: syslog gives the time and the pid
 )
 
 SEVERITIES = (
     "DEBUG1|DEBUG2|DEBUG3|DEBUG4|DEBUG5|INFO|NOTICE|WARNING|ERROR|LOG|FATAL|PANIC|"
     "DETAIL|HINT|QUERY|CONTEXT|LOCATION|STATEMENT"
 )
-_MESSAGE = re.compile(rf"(?P<severity>{SEVERITIES}):  (?P<message>.*)\Z", re.DOTALL)
+#: The server writes two spaces after the severity; a copy through a chat or a ticket
+#: often keeps one.
+_MESSAGE = re.compile(rf"(?P<severity>{SEVERITIES}):  ?(?P<message>.*)\Z", re.DOTALL)
 #: Escapes of log_line_prefix as regular expressions (a padding such as %-10a is allowed).
 _ESCAPES = {
     "a": r"(?P<app>.*?)",
@@ -48,8 +62,19 @@ _ESCAPES = {
     "x": r"(?:\d+)",
     "Q": r"(?:-?\d+)",
 }
+#: Fields whose value the layout pins down (digits, a timestamp, a ``user@db`` pair, a
+#: ``key=value``): a layout that reads them is more specific than one reading free text.
+_TYPED = ("time", "pid", "session", "user", "db")
 _ESCAPE = re.compile(r"%(-?\d*)([a-zA-Z%])")
 _GROUP_NAME = re.compile(r"\?P<\w+>")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A ``log_line_prefix`` and its regular expression."""
+
+    prefix: str
+    pattern: re.Pattern[str]
 
 
 def prefix_pattern(prefix: str) -> re.Pattern[str]:
@@ -90,16 +115,53 @@ def prefix_pattern(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"\A{body}{_MESSAGE.pattern}", re.DOTALL)
 
 
-def choose_prefix(lines: list[str]) -> re.Pattern[str] | None:
-    """The common prefix that parses the most of these lines (with a pid), if any does."""
-    best: tuple[int, re.Pattern[str] | None] = (0, None)
-    for candidate in COMMON_PREFIXES:
-        pattern = prefix_pattern(candidate)
-        hits = 0
-        for line in lines:
-            match = pattern.match(line.rstrip("\n"))
-            if match and match.groupdict().get("pid"):
+class PrefixChooser:
+    """Scores the common layouts on a log's first lines; more lines can be added to settle a tie.
+
+    Scored per layout, best first: the lines it parses (with a pid, unless the envelope
+    carries it); then how many of their fields are pinned down (a timestamp, a pid, a
+    ``user@db`` pair) rather than free text such as ``%a``, so that Debian's
+    ``%m [%p] %q%u@%d`` reads ``postgres@postgres`` as a user and a database, not as an
+    application name; then how many fields it names at all.
+    """
+
+    def __init__(self, *, pid_known: bool = False) -> None:
+        self._pid_known = pid_known
+        candidates = COMMON_PREFIXES + (ENVELOPED_PREFIXES if pid_known else ())
+        self._scores = {Layout(c, prefix_pattern(c)): (0, 0, 0) for c in candidates}
+
+    def add(self, lines: Iterable[str]) -> None:
+        """Score these lines (continuation lines, which carry no prefix, are skipped)."""
+        stripped = [line.rstrip("\r\n") for line in lines if line[:1] not in {"\t", " ", ""}]
+        for layout, score in self._scores.items():
+            hits, typed, named = score
+            for line in stripped:
+                match = layout.pattern.match(line)
+                if match is None:
+                    continue
+                groups = match.groupdict()
+                if not self._pid_known and not (groups.get("pid") or groups.get("session")):
+                    continue
                 hits += 1
-        if hits > best[0]:
-            best = (hits, pattern)
-    return best[1]
+                typed += sum(1 for name in _TYPED if groups.get(name))
+                named += sum(1 for name, value in groups.items() if value and name != "message")
+            self._scores[layout] = (hits, typed, named)
+
+    def best(self) -> tuple[Layout | None, bool]:
+        """The best layout (None if none reads a line), and whether another scores the same.
+
+        A tie is broken by the order of COMMON_PREFIXES; it happens when the lines so far
+        cannot tell the layouts apart (only background processes, which ``%q`` cuts short).
+        """
+        ranked = sorted(self._scores.items(), key=lambda item: item[1], reverse=True)
+        (layout, score), *others = ranked
+        if score[0] == 0:
+            return None, False
+        return layout, any(other == score for _, other in others)
+
+
+def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None:
+    """The common layout that reads these lines best, if any reads one."""
+    chooser = PrefixChooser(pid_known=pid_known)
+    chooser.add(lines)
+    return chooser.best()[0]

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobrun.deadlocks.formats import NoInputError
 from jobrun.deadlocks.scan import find
+from jobrun.deadlocks.sources import NoInputError
 from jobrun.exitcodes import OutputError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from jobrun.deadlocks.model import Deadlock, Found, Side
+    from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side
+
+#: C0 and C1 control characters but the tab, and DEL: a log's text never reaches a
+#: terminal with them raw (an ESC could rewrite the screen, a CR hide a line).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def run(
@@ -26,9 +32,13 @@ def run(
     check: bool,
     echo: Callable[[str], None],
 ) -> int:
-    """``jobrun deadlocks``: print what the logs hold; 1 with ``check`` when any deadlock."""
+    """``jobrun deadlocks``: print what the logs hold, and the worst status of any file.
+
+    66 or 65 when a file could not be read or understood (every other file's deadlocks are
+    printed all the same); else 1 with ``check`` when there is a deadlock; else 0.
+    """
     paths = list(paths)
-    for path in paths:  # every file checked before any output: no half a report
+    for path in paths:  # a missing file is a typo: said before any output
         if path != "-" and not (Path(path).is_file() and os.access(path, os.R_OK)):
             reason = "no such file" if not Path(path).exists() else "not a readable file"
             raise NoInputError(f"cannot read {path}: {reason}")
@@ -38,6 +48,13 @@ def run(
         sys.stdout.flush()
     except OSError as exc:
         raise OutputError(f"cannot write the report: {exc.strerror or exc}") from None
+    for read in found.unread:
+        with contextlib.suppress(OSError):  # a closed stderr must not hide the status
+            line = _printable(" ".join(str(read.error).split()))
+            sys.stderr.write(f"jobrun: error: {line}\n")
+    worst = max((read.status for read in found.files), default=0)
+    if worst:
+        return worst
     return 1 if check and found.deadlocks else 0
 
 
@@ -47,42 +64,80 @@ def describe(side: Side) -> str:
         return f"process {side.pid} (application unknown: no line of this pid names it)"
     job = f", job {side.job}" if side.job else ""
     source = "" if side.named_by == "this line" else f", named on {side.named_by}"
-    return f"process {side.pid} ({side.application}{job}{source})"
+    return _printable(f"process {side.pid} ({side.application}{job}{source})")
 
 
 def report(found: Found) -> str:
     """The deadlocks for people: each side's process, application, lock and statement."""
     out: list[str] = []
     for deadlock in found.deadlocks:
-        when = f" at {deadlock.time}" if deadlock.time else ""
-        where = f" in database {deadlock.db}" if deadlock.db else ""
-        out.append(f"deadlock{when}{where} ({deadlock.source} line {deadlock.line})")
-        for side in deadlock.sides:
-            victim = " [aborted by PostgreSQL]" if side.pid == deadlock.victim else ""
-            out.append(f"  {describe(side)}{victim}")
-            if side.waits_for:
-                out.append(f"    waits for {side.waits_for}, held by process {side.blocked_by}")
-            if side.statement:
-                statement = " ".join(side.statement.split())
-                out.append(f"    running: {statement}")
-        if deadlock.context:
-            out.append(f"  context: {' '.join(deadlock.context.split())}")
-        if not any(side.application for side in deadlock.sides):
-            out.append(
-                "  note: the log does not carry application names: add %a to "
-                "log_line_prefix (or use csvlog/jsonlog) to see which jobs these were"
+        out.extend(_deadlock(deadlock))
+    for storm in found.storms:
+        first, last = storm.deadlocks[0].time, storm.deadlocks[-1].time
+        out.append(
+            _printable(
+                f"storm: {len(storm.deadlocks)} deadlocks between {' and '.join(storm.sides)} "
+                f"from {first} to {last}: one deadlock turned into a storm (a job that "
+                "retries at once after a deadlock meets the same cycle again; retry "
+                "after a pause, or fix the lock order)"
             )
-    pairs = _pairs(found.deadlocks)
-    files = ", ".join(f"{f['source']} ({f['format']}, {f['entries']} entries)" for f in found.files)
-    out.append(f"{len(found.deadlocks)} deadlock(s) in {files}")
-    out.extend(f"  {count} x {pair}" for pair, count in pairs.items())
+        )
+    out.append("files read:")
+    out.extend(f"  {_file(read)}" for read in found.files)
+    unread = f", {len(found.unread)} not read" if found.unread else ""
+    out.append(f"{len(found.deadlocks)} deadlock(s) in {len(found.files)} file(s){unread}")
+    out.extend(f"  {count} x {pair}" for pair, count in _pairs(found.deadlocks).items())
     return "\n".join(out)
+
+
+def _deadlock(deadlock: Deadlock) -> list[str]:
+    when = f" at {deadlock.time}" if deadlock.time else ""
+    where = f" in database {deadlock.db}" if deadlock.db else ""
+    also = f"; also in {', '.join(deadlock.also_in)}" if deadlock.also_in else ""
+    out = [f"deadlock{when}{where} ({deadlock.source} line {deadlock.line}{also})"]
+    for side in deadlock.sides:
+        victim = " [aborted by PostgreSQL]" if side.pid == deadlock.victim else ""
+        out.append(f"  {describe(side)}{victim}")
+        if side.waits_for:
+            out.append(f"    waits for {side.waits_for}, held by process {side.blocked_by}")
+        if side.statement:
+            out.append(f"    running: {' '.join(side.statement.split())}")
+    if deadlock.context:
+        out.append(f"  context: {' '.join(deadlock.context.split())}")
+    if not any(side.application for side in deadlock.sides):
+        out.append(
+            "  note: the log does not carry application names: add %a to "
+            "log_line_prefix (or use csvlog/jsonlog) to see which jobs these were"
+        )
+    return [_printable(line) for line in out]
+
+
+def _file(read: FileRead) -> str:
+    """One line per file: what it was read as and what it held, or why it was not read."""
+    if read.error is not None:
+        return _printable(f"{read.source}: not read: {read.error.removeprefix(read.source + ': ')}")
+    layout = f", prefix {read.prefix!r}" if read.prefix is not None else ""
+    text = f"{read.source}: {read.format}{layout}, {read.entries} entries"
+    text += f", {read.deadlocks} deadlock(s)"
+    if read.duplicates:
+        text += f" ({read.duplicates} already counted from another file)"
+    if read.reindented:
+        text += (
+            f"; note: {read.reindented} continuation line(s) indented with spaces, not a "
+            "tab: the log looks re-indented (copied through a terminal, a ticket or a chat)"
+        )
+    return _printable(text)
 
 
 def _pairs(deadlocks: Iterable[Deadlock]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for deadlock in deadlocks:
         names = sorted(side.application or f"pid {side.pid}" for side in deadlock.sides)
-        label = " <-> ".join(names)
+        label = _printable(" <-> ".join(names))
         counts[label] = counts.get(label, 0) + 1
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def _printable(text: str) -> str:
+    """The text with every control character but the tab shown as a visible ``\\xNN``."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)

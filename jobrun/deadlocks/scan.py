@@ -1,18 +1,20 @@
-"""Find the deadlocks in log entries and name each side from the lines of its pid."""
+"""Find the deadlocks in each log file, name each side from the lines of its pid."""
 
 from __future__ import annotations
 
 import re
 from typing import IO, TYPE_CHECKING
 
-from jobrun.deadlocks.formats import open_log, read_entries
-from jobrun.deadlocks.model import Deadlock, Found, Side, parse_detail
-from jobrun.exitcodes import Exit, JobrunError
+from jobrun.deadlocks.formats import read_entries
+from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
+from jobrun.deadlocks.sources import NoInputError, open_log
+from jobrun.deadlocks.storms import storms
+from jobrun.exitcodes import Exit
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Hashable, Iterable
 
-    from jobrun.deadlocks.formats import Entry
+    from jobrun.deadlocks.model import Entry
 
 DEADLOCK_MESSAGE = "deadlock detected"
 DEADLOCK_SQLSTATE = "40P01"
@@ -23,42 +25,77 @@ _AUTHORIZED = re.compile(
 )
 #: What %a (and csvlog/jsonlog) show before the startup packet has named the session.
 _UNNAMED = frozenset({"", "[unknown]"})
-
-
-class NotALogError(JobrunError):
-    """Nothing in a log file looks like a PostgreSQL server log."""
-
-    exit_code = Exit.DATA_ERROR
-    event = "not_a_log"
+#: A log time to the second, whatever the format wrote around it (``T``, a zone, millis).
+_SECOND = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)")
 
 
 def find(
     paths: Iterable[str], *, prefix: str | None = None, stdin: IO[bytes] | None = None
 ) -> Found:
-    """Every deadlock in the logs at ``paths`` (``-``: ``stdin``), sides named where possible."""
+    """Every deadlock in the logs at ``paths`` (``-``: ``stdin``), each file reported on.
+
+    A file that cannot be understood is reported with the reason and the others are still
+    read. The same deadlock logged in two files (a server's csvlog and jsonlog, a stderr
+    log and its cloud export) is counted once, from the first file that has it.
+    """
     found = Found()
+    seen: dict[Hashable, Deadlock] = {}
     for path in paths:
-        with open_log(path, stdin) as stream:
-            scanner = _Scanner(path if path != "-" else "(stdin)")
-            fmt, entries = read_entries(stream, scanner.source, prefix)
-            for entry in entries:
-                scanner.feed(entry)
-        if fmt is None:
-            raise NotALogError(
-                f"{scanner.source}: nothing in it looks like a PostgreSQL server log "
-                "(stderr, csvlog or jsonlog); if the stderr prefix is unusual, pass "
-                "--log-line-prefix as set in postgresql.conf"
-            )
-        found.deadlocks.extend(scanner.deadlocks)
-        found.files.append(
-            {
-                "source": scanner.source,
-                "format": fmt,
-                "entries": scanner.entries,
-                "deadlocks": len(scanner.deadlocks),
-            }
-        )
+        scanner = _read(path, prefix, stdin)
+        found.files.append(scanner.file)
+        for deadlock in scanner.deadlocks:
+            key = _identity(deadlock)
+            earlier = seen.get(key) if key is not None else None
+            if earlier is not None and earlier.source != deadlock.source:
+                earlier.also_in.append(deadlock.source)
+                scanner.file.duplicates += 1
+                continue
+            if key is not None:
+                seen[key] = deadlock
+            found.deadlocks.append(deadlock)
+    found.storms = storms(found.deadlocks)
     return found
+
+
+def _read(path: str, prefix: str | None, stdin: IO[bytes] | None) -> _Scanner:
+    """One file read to its end; its FileRead says what it was read as, or why not."""
+    scanner = _Scanner(path if path != "-" else "(stdin)")
+    try:
+        with open_log(path, stdin) as (stream, packed):
+            reading = read_entries(stream, scanner.source, prefix)
+            for entry in reading.entries:
+                scanner.feed(entry)
+    except NoInputError as exc:
+        scanner.file.error, scanner.file.status = str(exc), NoInputError.exit_code
+        return scanner
+    read = scanner.file
+    packing = f", {packed}" if packed is not None and reading.format is not None else ""
+    read.format = reading.format and reading.format + packing
+    read.prefix, read.reindented = reading.prefix, reading.reindented
+    read.entries, read.deadlocks = scanner.entries, len(scanner.deadlocks)
+    if reading.format is None:
+        read.error = f"{scanner.source}: {reading.why}"
+    elif read.entries == 0 and reading.format != "empty":
+        how = (
+            f"--log-line-prefix {prefix!r}"
+            if prefix is not None
+            else f"the {reading.format} format"
+        )
+        read.error = (
+            f"{scanner.source}: not empty, yet {how} reads no entry from it; "
+            "check log_line_prefix in postgresql.conf (SHOW log_line_prefix)"
+        )
+    if read.error is not None:
+        read.status = Exit.DATA_ERROR
+    return scanner
+
+
+def _identity(deadlock: Deadlock) -> Hashable | None:
+    """The same deadlock in two formats of one server: same second, same victim, same pids."""
+    second = _SECOND.search(deadlock.time or "")
+    if second is None:
+        return None
+    return (second[1], second[2], deadlock.victim, frozenset(side.pid for side in deadlock.sides))
 
 
 class _Scanner:
@@ -66,6 +103,7 @@ class _Scanner:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        self.file = FileRead(source)
         self.entries = 0
         self.deadlocks: list[Deadlock] = []
         #: pid -> (line, application) of the latest entry of that pid that named it.
