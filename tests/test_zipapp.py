@@ -19,6 +19,8 @@ from support import jobrun_cli
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tools" / "build_zipapp.py"
 DOWNLOAD_FAILED = 3  # tools/build_zipapp.py: a wheel could not be downloaded
+#: The interpreter this venv was made from: python3 as a host has it, without our packages.
+HOST_PYTHON = getattr(sys, "_base_executable", sys.executable)
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +47,7 @@ def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_pyz(
     pyz: Path, *args: str, dsn: str | None, cache: Path, cwd: Path | None = None,
-    python: str = sys.executable, extra: dict[str, str] | None = None,
+    python: str = HOST_PYTHON, extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:  # fmt: skip
     """``python3 jobrun.pyz ARGS...`` with nothing of this checkout on its path."""
     env = jobrun_cli.environment(dsn, {"XDG_CACHE_HOME": str(cache), **(extra or {})})
@@ -97,6 +99,12 @@ class TestRuns:
         """`jobrun doctor` through the file finds the test database fit (exit 0)."""
         result = run_pyz(pyz, "doctor", dsn=dsn, cache=cache_home)
         assert result.returncode == 0, result.stdout + result.stderr
+
+    def test_demo_starts_its_runs_from_the_file(self, pyz, cache_home, fresh_dsn):
+        """The demo's three runs are the file's own, under a python3 that has no jobrun."""
+        result = run_pyz(pyz, "demo", dsn=fresh_dsn, cache=cache_home)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "demo passed" in result.stdout
 
     def test_driver_is_the_bundled_binary(self, pyz, cache_home, dsn, key):
         """psycopg runs on the bundled psycopg-binary, not on whatever libpq the host has."""
