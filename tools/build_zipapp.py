@@ -2,10 +2,11 @@
 
     python tools/build_zipapp.py [--out dist/jobrun.pyz] [--cache DIR]
 
-The pure-Python packages (click, structlog, psycopg, typing_extensions) are the versions
-installed where this runs (so the file holds what the tests ran against); psycopg-binary,
-which has compiled modules and its own libpq, comes as one wheel per CPython version and
-Linux architecture (PYTHONS x MACHINES), pinned to psycopg's version. Wheels are fetched
+The pure-Python packages (click, structlog, psycopg, typing_extensions, and prometheus_client
+for --metrics-file) are the versions installed where this runs, so the file holds what the
+tests ran against: run it in the development venv. psycopg-binary, which has compiled
+modules and its own libpq, comes as one wheel per CPython version and Linux architecture
+(PYTHONS x MACHINES), pinned to psycopg's version. Wheels are fetched
 once with `pip download` into the cache (default ``$XDG_CACHE_HOME/jobrun-build``) and
 reused offline afterwards. jobrun/_zipapp.py is the archive's ``__main__.py``: how it
 unpacks and picks a wheel is described there.
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 MACHINES = ("x86_64", "aarch64")
 #: Pure-Python distributions the file carries, besides jobrun (from this source tree).
-PURE = ("click", "structlog", "psycopg", "typing_extensions")
+PURE = ("click", "structlog", "psycopg", "typing_extensions", "prometheus_client")
 
 
 #: Exit status of a build that could not download a wheel it needs (no network?).
@@ -72,7 +73,13 @@ def _cached(cache: Path, pattern: str) -> Path | None:
 
 def pure_wheel(cache: Path, name: str) -> Path:
     """The py3 wheel of ``name`` at the version installed here, fetched once."""
-    version = importlib.metadata.version(name)
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise BuildError(
+            f"{name} is not installed here: build from the development venv "
+            "(pip install -e '.[test]')"
+        ) from None
     stem = re.sub(r"[-_.]+", "_", name).lower()
     pattern = f"{stem}-{version}-py3-none-any.whl"
     found = _cached(cache, pattern)
