@@ -84,7 +84,7 @@ def check_private(path: str) -> None:
             f"{path} belongs to uid {info.st_uid}, not to you (uid {me}): another user "
             "could put code there; remove it, or set XDG_CACHE_HOME to a directory of yours"
         )
-    if info.st_mode & 0o077:
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise CannotRun(
             f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): another "
             "user could put code there; remove it (jobrun recreates it 0700)"

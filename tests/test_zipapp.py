@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import pwd
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import psycopg
@@ -127,6 +129,35 @@ class TestRuns:
             assert len(result.stderr.splitlines()) == 1, result.stderr
         else:
             assert result.returncode == 0, result.stderr
+
+
+def without_drivers(pyz: Path, out: Path) -> Path:
+    """A copy of the file whose bootstrap knows no bundled driver (as on an unknown machine)."""
+    with zipfile.ZipFile(pyz) as source, zipfile.ZipFile(out, "w") as copy:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename == "__main__.py":
+                text, found = re.subn(r"(?m)^NATIVE: dict\[str, str\] = \{.*\}$",
+                                      "NATIVE: dict[str, str] = {}", data.decode())  # fmt: skip
+                assert found == 1
+                data = text.encode()
+            copy.writestr(info, data)
+    return out
+
+
+class TestNoDriverFits:
+    """Where no bundled driver fits, the host's libpq serves, or one line says what to do."""
+
+    def test_host_libpq_is_used_when_no_driver_fits(self, pyz, dsn, key, tmp_path):
+        """psycopg's pure-Python implementation on the host's libpq: the run works."""
+        if ctypes.util.find_library("pq") is None:
+            pytest.skip("no libpq on this host")
+        copy = without_drivers(pyz, tmp_path / "jobrun.pyz")
+        result = run_pyz(
+            copy, "--key", key, "--", "true", dsn=dsn, cache=tmp_path,
+            extra={"PSYCOPG_IMPL": "python"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
 
 
 class TestCache:
