@@ -15,6 +15,7 @@ unpacks and picks a wheel is described there.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.metadata
 import os
@@ -157,8 +158,11 @@ def _bootstrap(build_id: str, native: dict[str, str]) -> str:
 def build(out: Path, cache: Path) -> dict[str, str]:
     """Write the archive to ``out``; return its wheel table (tag -> member)."""
     cache.mkdir(parents=True, exist_ok=True)
-    pure = [pure_wheel(cache, name) for name in PURE]
-    wheels = binary_wheels(cache, importlib.metadata.version("psycopg"))
+    with (cache / ".lock").open("w") as lock:
+        # Builds at once (two test workers) must not read a wheel another is still writing.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        pure = [pure_wheel(cache, name) for name in PURE]
+        wheels = binary_wheels(cache, importlib.metadata.version("psycopg"))
     host = f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}"
     if host not in wheels:
         raise BuildError(f"no psycopg-binary wheel for this host ({host}): cannot test the file")
