@@ -89,7 +89,8 @@ def check_private(path: str) -> None:
             f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): another "
             "user could put code there; remove it (jobrun recreates it 0700)"
         )
-    parent = os.path.dirname(path)
+    # The directories it is really in: a link in the path (~/.cache to a shared disk) counts.
+    parent = os.path.dirname(os.path.realpath(path))
     while True:
         info = os.stat(parent)
         writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
@@ -163,20 +164,24 @@ def prepare(archive: str) -> list[str]:
         with open(compiled, "w"):
             pass
     tag = native_tag()
-    member = NATIVE.get(tag or "")
-    if member is None:
+    if tag is None or tag not in NATIVE:
         if has_host_libpq():
             return [lib]  # psycopg's pure-Python implementation, on the host's libpq
         raise CannotRun(
             f"no bundled PostgreSQL driver fits this Python ({tag or sys.implementation.name}"
             f" on {sys.platform}; this file has {', '.join(sorted(NATIVE)) or 'none'}) and "
-            "the host has no libpq: install libpq (apt install libpq5), or run it with one "
-            "of those"
+            "the host has no libpq: install libpq (apt install libpq5), or run it with a "
+            "Python the file has a driver for"
         )
-    native = os.path.join(home, tag or "")
+    native = os.path.join(home, tag)
     if not os.path.isdir(native):
-        unpack(archive, member, native, inner="psycopg_binary")
+        unpack(archive, NATIVE[tag], native, inner="psycopg_binary")
     return [lib, native]
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped: a path can hold any byte but ``/``."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def quiet_interrupts() -> None:
@@ -197,7 +202,7 @@ def main() -> None:
     try:
         paths = prepare(archive)
     except (CannotRun, OSError) as exc:
-        sys.stderr.write(f"jobrun: cannot run {archive}: {exc}\n")
+        sys.stderr.write(printable(f"jobrun: cannot run {archive}: {exc}") + "\n")
         sys.exit(UNAVAILABLE)
     # Nothing is imported from the archive itself any more: only from our own directory.
     sys.path[:] = [*paths, *(p for p in sys.path if os.path.abspath(p) != archive)]

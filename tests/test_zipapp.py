@@ -200,6 +200,27 @@ class TestCache:
         assert result.returncode == 69
         assert "can be changed by other users" in result.stderr
 
+    def test_cache_reached_through_a_link_is_checked_where_it_is(self, pyz, dsn, key, tmp_path):
+        """A link to a directory inside a world-writable one: the real parents are checked."""
+        shared = tmp_path / "shared"
+        (shared / "inner").mkdir(parents=True)
+        shared.chmod(0o777)
+        (tmp_path / "link").symlink_to(shared / "inner")
+        result = run_pyz(pyz, "--key", key, "--", "true", dsn=dsn, cache=tmp_path / "link")
+        assert result.returncode == 69
+        assert "can be changed by other users" in result.stderr
+
+    def test_refusal_escapes_control_characters(self, pyz, dsn, key, tmp_path):
+        """The one line names the file with its control characters escaped."""
+        odd = tmp_path / "job\x1b[31mrun.pyz"
+        shutil.copyfile(pyz, odd)
+        (tmp_path / "jobrun").mkdir(mode=0o700)
+        (tmp_path / "jobrun").chmod(0o777)
+        result = run_pyz(odd, "--key", key, "--", "true", dsn=dsn, cache=tmp_path)
+        assert result.returncode == 69
+        assert "job\\x1b[31mrun.pyz" in result.stderr
+        assert "\x1b" not in result.stderr
+
     def test_runs_from_a_directory_others_can_write(self, pyz, dsn, key, tmp_path):
         """The file in a world-writable directory, run from there: nothing planted is imported."""
         shared = tmp_path / "shared"
