@@ -161,3 +161,16 @@ class TestNamedDatabaseLeftClean:
         with psycopg.connect(fresh_dsn, autocommit=True) as conn:
             kept = conn.execute("SELECT count(*) FROM jobrun.runs WHERE key = %s", (key,))
             assert kept.fetchone() == (1,)
+
+    def test_rows_it_may_not_delete_are_named(self, fresh_dsn, role, key):
+        """A role that may write runs but not delete them: one line says what was left."""
+        assert jobrun_cli.run("--key", key, "--", "true", dsn=fresh_dsn).returncode == 0
+        limited = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA jobrun TO {role}",
+            database_dsn=fresh_dsn,
+        )
+        result = demo(jobrun_cli.environment(limited))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "could not remove the demo's rows" in result.stdout
+        assert "Traceback" not in result.stderr
