@@ -1,4 +1,7 @@
-"""``jobrun demo``: three real runs of one key, showing a run, a skip and a later run."""
+"""``jobrun demo``: three real runs of one key, showing a run, a skip and a later run.
+
+It runs in a database only when the user named one, and leaves no row of its own there.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,16 @@ import contextlib
 import math
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import sql as pgsql
 
-from jobrun import db, keys, sql, throwaway
+from jobrun import _zipapp, db, keys, sql, throwaway
 from jobrun.exitcodes import LockStoreUnavailable
 
 if TYPE_CHECKING:
@@ -24,15 +28,44 @@ if TYPE_CHECKING:
 #: Signs in libpq's message that a server answered and refused us (rather than no server):
 #: an error the server sent (its severity) or an authentication request we cannot meet.
 _ANSWERED = ("FATAL:", "ERROR:", "fe_sendauth")
+#: libpq variables that name a server or a database. With none of them set (and no --dsn or
+#: JOBRUN_DSN), libpq would still reach the local server's default database as the login
+#: user: that is where a user tries the demo, not a database they chose to give it.
+_NAMING = ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE")
+#: The tables in which a run of the demo's key can leave a row, by its key.
+_TABLES = ("runs", "leases", "pauses", "expectations", "stop_requests")
+_SCHEMA_EXISTS = "SELECT to_regnamespace('jobrun') IS NOT NULL"
+_TABLE_EXISTS = "SELECT to_regclass(%s) IS NOT NULL"
+
+
+def named(dsn: str) -> bool:
+    """Whether the user named a database: --dsn / JOBRUN_DSN, or PGHOST & co."""
+    return bool(dsn.strip()) or any(os.environ.get(name) for name in _NAMING)
+
+
+@dataclass(frozen=True)
+class Place:
+    """The database the demo runs in, and whether it is the demo's own throwaway one."""
+
+    dsn: str
+    throwaway: bool
 
 
 @contextlib.contextmanager
-def database(target: db.Target, say: Callable[[str], None]) -> Iterator[str]:
-    """The configured database when one answers, else a throwaway server for the demo.
+def database(target: db.Target, say: Callable[[str], None]) -> Iterator[Place]:
+    """The database the user named when it answers, else a throwaway server for the demo.
 
     A server that answers but refuses us (no such role or database, wrong password) is
     an error: the demo must not pass on a throwaway server while the real one is misused.
     """
+    if not named(target.dsn):
+        say(
+            "no database named (--dsn, JOBRUN_DSN, PGHOST, PGDATABASE or PGSERVICE): "
+            "starting a throwaway PostgreSQL"
+        )
+        with _throwaway(say) as private:
+            yield private
+        return
     where = db.describe(target)
     try:
         with psycopg.connect(target.dsn, connect_timeout=max(1, math.ceil(target.connect_timeout))):
@@ -48,46 +81,119 @@ def database(target: db.Target, say: Callable[[str], None]) -> Iterator[str]:
             f"no database answers at {where} (JOBRUN_DSN / PG* variables): "
             "starting a throwaway PostgreSQL"
         )
-        with throwaway.server() as private:
-            say(f"using the throwaway PostgreSQL at {db.describe(db.Target(dsn=private))}")
+        with _throwaway(say) as private:
             yield private
-        say("throwaway PostgreSQL stopped and removed")
         return
     say(f"using the database at {where}")
-    yield target.dsn
+    yield Place(target.dsn, throwaway=False)
+
+
+@contextlib.contextmanager
+def _throwaway(say: Callable[[str], None]) -> Iterator[Place]:
+    with throwaway.server() as private:
+        say(f"using the throwaway PostgreSQL at {db.describe(db.Target(dsn=private))}")
+        yield Place(private, throwaway=True)
+    say("throwaway PostgreSQL stopped and removed")
 
 
 def run(dsn: str, say: Callable[[str], None], *, connect_timeout: float = 3.0) -> int:
     """Run the demo; 0 when the three runs behave as promised (0, 75, 0)."""
     key = f"demo-{uuid.uuid4().hex[:8]}"
-    with database(db.Target(dsn=dsn, connect_timeout=connect_timeout), say) as target:
-        # The DSN goes through the environment: a password must not show up in ps.
-        env = {**os.environ, "JOBRUN_DSN": target}
-        env_args = [sys.executable, "-m", "jobrun", "--key", key, "--log-format", "console"]
-        with tempfile.TemporaryDirectory(prefix="jobrun-demo-") as scratch:
-            # The first job runs until the second has tried (not for a fixed time): on a
-            # slow machine a second jobrun may take seconds just to start.
-            done = os.path.join(scratch, "second-done")  # noqa: PTH118 - a plain path for sh
-            wait = 'i=0; while [ ! -e "$1" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done'
-            job = ["sh", "-c", wait, "first-job", done]  # at most 2 minutes, whatever happens
-            say(f"\n1) jobrun --key {key} -- <a job>   (takes the lock, runs until step 2 is done)")
-            first = subprocess.Popen([*env_args, "--", *job], env=env)
-            _wait_until_held(target, key, first)
-            say(f"\n2) jobrun --key {key} -- echo never   (same key while the first runs)")
+    with database(db.Target(dsn=dsn, connect_timeout=connect_timeout), say) as place:
+        if place.throwaway:
+            statuses = _three_runs(place.dsn, key, say)
+        else:
+            had_schema = _has_schema(place.dsn)
             try:
-                second = subprocess.run([*env_args, "--", "echo", "never"], env=env, check=False)
+                statuses = _three_runs(place.dsn, key, say)
             finally:
-                with open(done, "w"):  # noqa: PTH123 - just a mark
-                    pass
-            say(f"   -> exit {second.returncode} (75 = skipped: the lock is held)")
-            first_status = first.wait()
-        say(f"\n   first run -> exit {first_status}")
-        say(f"\n3) jobrun --key {key} -- echo hello   (after the first finished)")
-        third = subprocess.run([*env_args, "--", "echo", "hello"], env=env, check=False)
-        say(f"   -> exit {third.returncode}")
-    ok = (first_status, second.returncode, third.returncode) == (0, 75, 0)
+                try:
+                    _remove_traces(place.dsn, key, drop_schema=not had_schema, say=say)
+                except psycopg.Error as exc:  # a role that may write runs but not delete them
+                    reason = db.one_line(exc, db.Target(dsn=place.dsn))
+                    say(f"\ncould not remove the demo's rows (key {key}): {reason}")
+    ok = statuses == (0, 75, 0)
     say("\ndemo " + ("passed: one run at a time." if ok else "FAILED"))
     return 0 if ok else 1
+
+
+def _three_runs(target: str, key: str, say: Callable[[str], None]) -> tuple[int, int, int]:
+    """A run, a skip beside it, a run after it: their exit statuses."""
+    # The DSN goes through the environment: a password must not show up in ps.
+    env = {**os.environ, "JOBRUN_DSN": target}
+    env_args = [*_zipapp.command(), "--key", key, "--log-format", "console"]
+    with tempfile.TemporaryDirectory(prefix="jobrun-demo-") as scratch:
+        # The first job runs until the second has tried (not for a fixed time): on a
+        # slow machine a second jobrun may take seconds just to start.
+        done = os.path.join(scratch, "second-done")  # noqa: PTH118 - a plain path for sh
+        wait = 'i=0; while [ ! -e "$1" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done'
+        job = ["sh", "-c", wait, "first-job", done]  # at most 2 minutes, whatever happens
+        say(f"\n1) jobrun --key {key} -- <a job>   (takes the lock, runs until step 2 is done)")
+        first = subprocess.Popen([*env_args, "--", *job], env=env)
+        _wait_until_held(target, key, first)
+        say(f"\n2) jobrun --key {key} -- echo never   (same key while the first runs)")
+        try:
+            second = subprocess.run([*env_args, "--", "echo", "never"], env=env, check=False)
+        finally:
+            with open(done, "w"):  # noqa: PTH123 - just a mark
+                pass
+        say(f"   -> exit {second.returncode} (75 = skipped: the lock is held)")
+        first_status = first.wait()
+    say(f"\n   first run -> exit {first_status}")
+    say(f"\n3) jobrun --key {key} -- echo hello   (after the first finished)")
+    third = subprocess.run([*env_args, "--", "echo", "hello"], env=env, check=False)
+    say(f"   -> exit {third.returncode}")
+    return first_status, second.returncode, third.returncode
+
+
+def _has_schema(dsn: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(_SCHEMA_EXISTS).fetchone()
+    return bool(row and row[0])
+
+
+def _remove_traces(dsn: str, key: str, *, drop_schema: bool, say: Callable[[str], None]) -> None:
+    """Delete the demo key's rows; drop the jobrun schema too if the demo made it, and it is empty.
+
+    WARNING: a real jobrun may start using the schema at any moment. Its tables are locked
+    before they are found empty and dropped, in one transaction, and DROP SCHEMA (RESTRICT)
+    fails on anything else in it (the fencing sequence...): then nothing is dropped.
+    """
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        tables = [
+            pgsql.Identifier("jobrun", name)
+            for name in _TABLES
+            if (found := conn.execute(_TABLE_EXISTS, (f"jobrun.{name}",)).fetchone()) and found[0]
+        ]
+        for table in tables:
+            conn.execute(pgsql.SQL("DELETE FROM {} WHERE key = %s").format(table), (key,))
+        say(f"\nremoved the demo's rows (key {key}) from the jobrun schema")
+        if not drop_schema:
+            return
+        try:
+            dropped = _drop_schema_if_unused(conn, tables)
+        except psycopg.Error:
+            dropped = False  # a lock not had in time, an object the demo did not make
+    if dropped:
+        say("dropped the jobrun schema the demo created")
+    else:
+        say("kept the jobrun schema the demo created: something else uses it now")
+
+
+def _drop_schema_if_unused(conn: psycopg.Connection[Any], tables: list[pgsql.Identifier]) -> bool:
+    """Drop the jobrun schema and ``tables`` (all of its tables) if no table has a row."""
+    listed = pgsql.SQL(", ").join(tables)
+    with conn.transaction():
+        conn.execute("SET LOCAL lock_timeout = '5s'")
+        if tables:
+            conn.execute(pgsql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(listed))
+        for table in tables:
+            if conn.execute(pgsql.SQL("SELECT 1 FROM {} LIMIT 1").format(table)).fetchone():
+                return False
+        if tables:
+            conn.execute(pgsql.SQL("DROP TABLE {}").format(listed))
+        conn.execute("DROP SCHEMA jobrun RESTRICT")
+    return True
 
 
 def _wait_until_held(dsn: str, key: str, proc: subprocess.Popen[bytes]) -> None:

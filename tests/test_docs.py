@@ -91,6 +91,56 @@ class TestExamples:
         assert not marker.exists()
 
 
+#: Installing jobrun by name from a package index, where nothing is published under that name
+#: (a direct reference, ``jobrun @ git+https://...``, is another matter).
+_FROM_INDEX = re.compile(
+    r"""pip[x3]?\s+install\s+(?:-\S+\s+)*["']?jobrun(?:\[[^\]]*\])?["']?(?!\s*@)(?=[\s`"']|$)"""
+)
+#: An absolute path to the jobrun command in a bin directory (not /etc/jobrun, /var/log/jobrun).
+_COMMAND_PATH = re.compile(r"""(?:^|[\s="'])(/[\w./-]*bin/)jobrun(?![\w./-])""", re.MULTILINE)
+INSTALLED_AT = "/usr/local/bin/"
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+class TestInstallLines:
+    """What the docs and examples say to install is what the install recipes give."""
+
+    @pytest.mark.parametrize(
+        "text", ["pip install jobrun", "python -m pip install -q jobrun", "pipx install jobrun",
+                 "pip install 'jobrun[metrics]'", "`pip install jobrun`"],
+    )  # fmt: skip
+    def test_pattern_finds_an_install_by_name(self, text):
+        """The search below finds each way of writing it (a broken one passes vacuously)."""
+        assert _FROM_INDEX.search(text)
+
+    @pytest.mark.parametrize(
+        "text", ["pipx install .", "pipx install ./jobrun", "pip install 'jobrun @ git+https://x'",
+                 "/opt/jobrun/bin/pip install ."],
+    )  # fmt: skip
+    def test_pattern_leaves_what_works(self, text):
+        """Installs from a clone, a path or a direct reference are not flagged."""
+        assert not _FROM_INDEX.search(text)
+
+    def test_no_install_from_a_package_index(self):
+        """No page or example says `pip install jobrun`: no package of that name is published."""
+        found = [
+            f"{path.relative_to(ROOT)}: {match[0]}"
+            for path in [*PAGES, *DOCUMENTS[1:]]
+            for match in _FROM_INDEX.finditer(path.read_text())
+        ]
+        assert found == []
+
+    def test_examples_run_jobrun_where_the_install_puts_it(self):
+        """Every absolute path to jobrun in the README and examples is /usr/local/bin/jobrun."""
+        paths = [
+            (path.relative_to(ROOT), match[1])
+            for path in DOCUMENTS
+            for match in _COMMAND_PATH.finditer(path.read_text())
+        ]
+        assert len(paths) >= 3  # README, the systemd unit, the CI and Kubernetes examples
+        assert [p for p in paths if p[1] != INSTALLED_AT] == []
+
+
 REFERENCE = (ROOT / "docs" / "reference.md").read_text()
 #: Exit paths printed as one line by main(), never logged as events.
 NOT_LOGGED = {"error", "usage_error", "output_error", "pipe_closed", "no_input", "not_a_log"}
@@ -149,12 +199,7 @@ class TestNamedTests:
 
     def test_every_test_the_docs_name_exists(self):
         """A renamed or removed test leaves no stale reference in README, CONTRIBUTING or docs/."""
-        pages = [
-            ROOT / "README.md",
-            ROOT / "CONTRIBUTING.md",
-            *sorted((ROOT / "docs").glob("*.md")),
-        ]
-        named = [m.groups() for page in pages for m in self.NAMED.finditer(page.read_text())]
+        named = [m.groups() for page in PAGES for m in self.NAMED.finditer(page.read_text())]
         assert len(named) > 20  # the pattern does find the references
         missing = []
         for module, first, second in named:

@@ -122,10 +122,12 @@ def drill_command(
 @click.command("demo", cls=Subcommand, takes=("dsn", "connect_timeout"))
 @options.database
 def demo_command(dsn: str, connect_timeout: float) -> int:
-    """See jobrun work: a run, a skip, a later run (throwaway database if none answers).
+    """See jobrun work: a run, a skip, a later run (a throwaway database unless one is named).
 
-    Says which database it uses. A server that answers but refuses the connection (wrong
-    user, password or database) is an error (exit 69), not a reason to use a throwaway one.
+    Uses a database only when --dsn, JOBRUN_DSN, PGHOST, PGHOSTADDR, PGDATABASE or PGSERVICE
+    names one, and deletes its rows there afterwards. Says which database it uses. A server
+    that answers but refuses the connection (wrong user, password or database) is an error
+    (exit 69), not a reason to use a throwaway one.
     """
     from jobrun import demo, throwaway
 
