@@ -92,7 +92,7 @@ def drill_command(
     passed, 1 if one failed, 69 if the database cannot be reached, 128+N when stopped by
     signal N (its runs are stopped too). Use a key no real job uses.
     """
-    from jobrun import db, drill
+    from jobrun import _zipapp, db, drill
 
     key = keys.from_name(key_name)
     if mode == "lease":
@@ -107,6 +107,7 @@ def drill_command(
         ttl=ttl,
         kill_after=kill_after,
         heartbeat=heartbeat,
+        jobrun=tuple(_zipapp.command()),  # the single file starts its own runs, not -m jobrun
     )
     status = drill.run_drill(plan, click.echo)
     if status == 1 and command:
