@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
 
 FORMATS = ("auto", "json", "logfmt", "console")
@@ -147,6 +148,40 @@ def _safe_value(value: Any) -> Any:
     return value
 
 
+#: Values the console and logfmt renderers write through repr(), which escapes every
+#: character that is not printable: left to them.
+_REPRESENTED = (bool, int, float, list, tuple, dict, type(None))
+
+
+class _Shown(str):
+    r"""Text escaped already (printable): repr() quotes it without escaping it again.
+
+    The console renderer quotes a string with repr() when it holds a space or a quote, and
+    repr() would turn each escape ``\x1b`` into ``\\x1b``; the logfmt renderer uses str().
+    Either way the text is escaped exactly once.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        if "'" in self and '"' not in self:
+            return f'"{self}"'
+        return "'" + self.replace("'", "\\'") + "'"
+
+
+def _printable_fields(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """Escape control characters in every field's text (console and logfmt lines).
+
+    WARNING: a holder's host, a server's error message or a library's warning can carry
+    ESC, OSC 52 (a clipboard write), BEL or CR, and both renderers write a plain string as
+    it is: whoever tails the log on a terminal would run them. JSON escapes them itself.
+    """
+    return {
+        name: value if isinstance(value, _REPRESENTED) else _Shown(printable(str(value)))
+        for name, value in event_dict.items()
+    }
+
+
 def _lead_with_time_level_event(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> Any:
@@ -208,6 +243,7 @@ def configure(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _safe_strings,
         redactor(secrets),
+        *(() if fmt == "json" else (_printable_fields,)),
         _lead_with_time_level_event,
         renderer,
     ]

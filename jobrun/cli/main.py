@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import click
 
 from jobrun.cli.run import cli
+from jobrun.escape import printable
 from jobrun.exitcodes import (
     Exit,
     JobrunError,
@@ -119,17 +120,18 @@ class _CheckedStdout(io.TextIOWrapper):
         try:
             return super().write(text)
         except OSError as exc:
-            raise _output_error(exc) from None
+            raise output_error(exc) from None
 
     def flush(self) -> None:
         """Flush, or raise OutputError / PipeClosed."""
         try:
             super().flush()
         except OSError as exc:
-            raise _output_error(exc) from None
+            raise output_error(exc) from None
 
 
-def _output_error(exc: OSError) -> JobrunError:
+def output_error(exc: OSError) -> JobrunError:
+    """An OSError writing standard output as what it is: a closed pipe (141) or 74."""
     if exc.errno == errno.EPIPE:
         return PipeClosed("standard output: the reader went away")
     return OutputError(f"cannot write to standard output: {exc.strerror or exc}")
@@ -202,4 +204,6 @@ def _is_open(fd: int) -> bool:
 
 def _error(message: str) -> None:
     with contextlib.suppress(OSError):  # a closed or full stderr must not end in a traceback
-        click.echo(f"jobrun: error: {' '.join(message.split())}", err=True)
+        # A message can quote the server or a file: one line, and nothing it could
+        # make a terminal do.
+        click.echo(f"jobrun: error: {printable(' '.join(message.split()))}", err=True)
