@@ -6,6 +6,7 @@ import json
 import os
 import pty
 import re
+import shlex
 import subprocess
 import sys
 from typing import TYPE_CHECKING
@@ -191,6 +192,17 @@ def _drain(fd: int) -> bytes:
         if not chunk:
             return data
         data += chunk
+
+
+class TestOverlapReport:
+    def test_a_commands_output_is_escaped(self, dsn):
+        """The last output of a failed command, as the human report quotes it."""
+        noisy = shlex.join([sys.executable, "-c", NOISY_JOB])
+        result = cli.run("overlap", "--first", noisy, "--second", "true", "--runs", "1", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        assert "last output of A" in result.stdout
+        assert "out\\x1b]52;c;aGk=\\x07\\x1b[2J\\tend" in result.stdout
+        assert not RAW_CONTROL.search(result.stdout), repr(result.stdout)
 
 
 class TestErrorLine:
