@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -55,11 +56,52 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def open_log_file(path: str) -> int:
-    """Open ``path`` for appending (created 0640 if new) or raise UsageError."""
+    """Open ``path`` for appending (created 0640 if new) or raise UsageError.
+
+    WARNING: a log file often lives in a directory others can write (/tmp, a shared log
+    directory). A symbolic link planted there would make jobrun append to whatever it points
+    at, with jobrun's rights, so the last component is never followed (O_NOFOLLOW); as root,
+    a file that another user owns (they could have made it a hard link to anything, or read
+    what root writes there) or that has other hard links is refused as well.
+    """
+    # O_NONBLOCK: a FIFO planted there with no reader is an error, not a hang (cleared next).
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        fd = os.open(path, flags, 0o640)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError(
+                f"--log-file {path}: is a symbolic link, which jobrun does not follow "
+                "(give the path it points to)"
+            ) from None
         raise UsageError(f"--log-file {path}: {exc.strerror}") from None
+    os.set_blocking(fd, True)
+    refusal = _foreign(os.fstat(fd))
+    if refusal is not None:
+        os.close(fd)
+        raise UsageError(f"--log-file {path}: {refusal}")
+    return fd
+
+
+def _foreign(found: os.stat_result) -> str | None:
+    """Why root must not append to this file, or None: another owner, another name."""
+    if os.geteuid() != 0:
+        return None
+    if found.st_uid != 0:
+        owner = _user_name(found.st_uid)
+        return f"owned by {owner}, not root: jobrun as root appends only to root's files"
+    if found.st_nlink > 1:
+        return "has other hard links: jobrun as root appends only to a file of one name"
+    return None
+
+
+def _user_name(uid: int) -> str:
+    import pwd  # noqa: PLC0415 - only when a log file is refused
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def safe_text(text: str) -> str:
