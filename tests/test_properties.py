@@ -482,9 +482,9 @@ class TestForeignText:
         assert not RAW_CONTROL.search(shown.replace("\t", "")), repr(shown)
         assert shown.splitlines()[1].startswith("--- stdout (last ")
 
-    @given(fmt=st.sampled_from(["console", "logfmt"]), value=foreign_text)
+    @given(fmt=st.sampled_from(["console", "logfmt", "json"]), value=foreign_text)
     def test_event_line(self, fmt, value, tmp_path_factory):
-        """An event field holding the text: one line, no control character."""
+        """An event field holding the text: one line, no control character (JSON: its escapes)."""
         path = tmp_path_factory.mktemp("events") / "events.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
