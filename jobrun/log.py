@@ -60,9 +60,9 @@ def open_log_file(path: str) -> int:
 
     WARNING: a log file often lives in a directory others can write (/tmp, a shared log
     directory). A symbolic link planted there would make jobrun append to whatever it points
-    at, with jobrun's rights, so the last component is never followed (O_NOFOLLOW); as root,
-    a file that another user owns (they could have made it a hard link to anything, or read
-    what root writes there) or that has other hard links is refused as well.
+    at, with jobrun's rights, so the last component is never followed (O_NOFOLLOW). As root,
+    a file that another user owns (theirs to read, and to make whatever they like) or that
+    has other hard links (one may be a file of root's elsewhere) is refused as well.
     """
     # O_NONBLOCK: a FIFO planted there with no reader is an error, not a hang (cleared next).
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
