@@ -11,7 +11,6 @@ from typing import Any, TextIO
 
 import structlog
 
-from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
 
 FORMATS = ("auto", "json", "logfmt", "console")
@@ -218,6 +217,8 @@ def _printable_fields(_logger: Any, _method: str, event_dict: MutableMapping[str
     ESC, OSC 52 (a clipboard write), BEL or CR, and both renderers write a plain string as
     it is: whoever tails the log on a terminal would run them. JSON escapes them itself.
     """
+    from jobrun.escape import printable  # noqa: PLC0415 - JSON lines (the default) skip it
+
     return {
         name: value if isinstance(value, _REPRESENTED) else _Shown(printable(str(value)))
         for name, value in event_dict.items()

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import click
 
 from jobrun.cli.run import cli
-from jobrun.escape import printable
 from jobrun.exitcodes import (
     Exit,
     JobrunError,
@@ -203,6 +202,8 @@ def _is_open(fd: int) -> bool:
 
 
 def _error(message: str) -> None:
+    from jobrun.escape import printable
+
     with contextlib.suppress(OSError):  # a closed or full stderr must not end in a traceback
         # A message can quote the server or a file: one line, and nothing it could
         # make a terminal do.
