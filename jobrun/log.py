@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -54,11 +55,52 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def open_log_file(path: str) -> int:
-    """Open ``path`` for appending (created 0640 if new) or raise UsageError."""
+    """Open ``path`` for appending (created 0640 if new) or raise UsageError.
+
+    WARNING: a log file often lives in a directory others can write (/tmp, a shared log
+    directory). A symbolic link planted there would make jobrun append to whatever it points
+    at, with jobrun's rights, so the last component is never followed (O_NOFOLLOW). As root,
+    a file that another user owns (theirs to read, and to make whatever they like) or that
+    has other hard links (one may be a file of root's elsewhere) is refused as well.
+    """
+    # O_NONBLOCK: a FIFO planted there with no reader is an error, not a hang (cleared next).
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        fd = os.open(path, flags, 0o640)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError(
+                f"--log-file {path}: is a symbolic link, which jobrun does not follow "
+                "(give the path it points to)"
+            ) from None
         raise UsageError(f"--log-file {path}: {exc.strerror}") from None
+    os.set_blocking(fd, True)
+    refusal = _foreign(os.fstat(fd))
+    if refusal is not None:
+        os.close(fd)
+        raise UsageError(f"--log-file {path}: {refusal}")
+    return fd
+
+
+def _foreign(found: os.stat_result) -> str | None:
+    """Why root must not append to this file, or None: another owner, another name."""
+    if os.geteuid() != 0:
+        return None
+    if found.st_uid != 0:
+        owner = _user_name(found.st_uid)
+        return f"owned by {owner}, not root: jobrun as root appends only to root's files"
+    if found.st_nlink > 1:
+        return "has other hard links: jobrun as root appends only to a file of one name"
+    return None
+
+
+def _user_name(uid: int) -> str:
+    import pwd  # noqa: PLC0415 - only when a log file is refused
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def safe_text(text: str) -> str:
@@ -147,6 +189,42 @@ def _safe_value(value: Any) -> Any:
     return value
 
 
+#: Values the console and logfmt renderers write through repr(), which escapes every
+#: character that is not printable: left to them.
+_REPRESENTED = (bool, int, float, list, tuple, dict, type(None))
+
+
+class _Shown(str):
+    r"""Text escaped already (printable): repr() quotes it without escaping it again.
+
+    The console renderer quotes a string with repr() when it holds a space or a quote, and
+    repr() would turn each escape ``\x1b`` into ``\\x1b``; the logfmt renderer uses str().
+    Either way the text is escaped exactly once.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        if "'" in self and '"' not in self:
+            return f'"{self}"'
+        return "'" + self.replace("'", "\\'") + "'"
+
+
+def _printable_fields(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """Escape control characters in every field's text (console and logfmt lines).
+
+    WARNING: a holder's host, a server's error message or a library's warning can carry
+    ESC, OSC 52 (a clipboard write), BEL or CR, and both renderers write a plain string as
+    it is: whoever tails the log on a terminal would run them. JSON escapes them itself.
+    """
+    from jobrun.escape import printable  # noqa: PLC0415 - JSON lines (the default) skip it
+
+    return {
+        name: value if isinstance(value, _REPRESENTED) else _Shown(printable(str(value)))
+        for name, value in event_dict.items()
+    }
+
+
 def _lead_with_time_level_event(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> Any:
@@ -208,6 +286,7 @@ def configure(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _safe_strings,
         redactor(secrets),
+        *(() if fmt == "json" else (_printable_fields,)),
         _lead_with_time_level_event,
         renderer,
     ]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,11 +68,39 @@ def write(template: str, sample: Sample, log: FilteringBoundLogger) -> None:
         )
         for name in OUTCOMES:
             outcome.labels(key=sample.key, outcome=name).set(1 if name == sample.outcome else 0)
-        # A temporary file in the same directory, then rename(2): the collector never
-        # reads half a file.
-        prometheus_client.write_to_textfile(path, registry)
-    except (OSError, ValueError) as exc:
+        _replace(path, prometheus_client.generate_latest(registry))
+    except OSError as exc:
+        log.warning("metrics_failed", path=path, error=_reason(exc))
+    except ValueError as exc:
         log.warning("metrics_failed", path=path, error=str(exc))
+
+
+def _replace(path: str, data: bytes) -> None:
+    """Make ``data`` the file ``path``: a new file in its directory, then rename(2) over it.
+
+    The collector never reads half a file. WARNING: the new file's name is random and it is
+    created with O_EXCL|O_NOFOLLOW (mkstemp): a name known in advance (``path.PID``) in a
+    directory another user can write lets them plant a symbolic link there first, and
+    jobrun (root, often) would write through it.
+    """
+    target = Path(path).absolute()
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    temporary = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            os.fchmod(file.fileno(), 0o644)  # node_exporter reads it as another user
+            file.write(data)
+        temporary.replace(target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "is a symbolic link, which jobrun neither follows nor replaces"
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
 
 
 def _values(sample: Sample, previous: dict[str, float]) -> list[tuple[str, str, float]]:
@@ -129,7 +161,11 @@ def _previous(path: str, key: str) -> dict[str, float]:
 
     values: dict[str, float] = {}
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # O_NOFOLLOW: a symbolic link planted at the path is refused (ELOOP), never read or
+        # replaced; O_NONBLOCK: a FIFO there is not a hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8") as file:
+            text = file.read()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.labels.get("key") == key and sample.name.startswith("jobrun_"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,9 @@ from jobrun import __version__
 from jobrun.exitcodes import UsageError
 
 if TYPE_CHECKING:
+    from http.client import HTTPMessage
+    from typing import IO
+
     from structlog.typing import FilteringBoundLogger
 
 #: Default of ``--ping-timeout``: the longest one ping (all its attempts) may take.
@@ -125,10 +129,14 @@ class Pinger:
     def __init__(
         self, url: str, run_id: str, *, timeout: float = TIMEOUT, log: FilteringBoundLogger
     ) -> None:
-        import urllib.request  # noqa: PLC0415 - only runs with --ping load the HTTP client
-
-        self._request = urllib.request
+        self._opener = urllib.request.build_opener(KeepCredentialsAtOrigin)
         self.url, self._auth = _split_userinfo(url)
+        if self._auth and urllib.parse.urlsplit(self.url).scheme == "http":
+            log.warning(
+                "ping_credentials_in_clear",
+                url=mask(self.url),
+                hint="credentials in an http:// URL cross the network readable: use https",
+            )
         self.run_id = run_id
         self.timeout = timeout
         self._log = log
@@ -225,7 +233,7 @@ class Pinger:
 
     def _attempt(self, url: str, ping: _Ping, timeout: float) -> tuple[bool, str | None]:
         """One request: (worth retrying, error or None). Errors never quote the URL."""
-        request = self._request.Request(
+        request = urllib.request.Request(  # noqa: S310 - parse_url admits http(s) only
             url,
             data=ping.body,
             method="POST",
@@ -236,11 +244,45 @@ class Pinger:
             },
         )
         try:
-            with self._request.urlopen(request, timeout=timeout) as response:
+            with self._opener.open(request, timeout=timeout) as response:
                 response.read()
         except Exception as exc:  # noqa: BLE001 - whatever goes wrong, it is never the job's problem
             return _describe(exc, timeout)
         return False, None
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of ``url``, the port made explicit: what credentials belong to."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class KeepCredentialsAtOrigin(urllib.request.HTTPRedirectHandler):
+    """Follow a monitor's redirects, its credentials only to the same origin.
+
+    WARNING: urllib's own redirect handler copies every header to wherever a monitor (or
+    whoever answers for it) redirects, Authorization included: to another host, and from
+    https down to plain http. A redirect to another scheme, host or port goes without it.
+    """
+
+    def redirect_request(  # noqa: PLR0917 - urllib's signature
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: HTTPMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        """The redirected request, without Authorization when it leaves the origin."""
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and origin(new.full_url) != origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
 
 
 def _describe(exc: Exception, timeout: float) -> tuple[bool, str]:

@@ -8,7 +8,6 @@ import os
 import pwd
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,9 @@ if TYPE_CHECKING:
 
 #: PostgreSQL refuses to run as root; as root, the server runs as this user.
 RUN_AS_WHEN_ROOT = "nobody"
+#: Only names the socket file (``.s.PGSQL.5432``): the server listens on no TCP port, and
+#: its socket directory is its own, so no other server can be in the way.
+PORT = 5432
 
 
 class NoPostgresError(RuntimeError):
@@ -57,37 +59,37 @@ def run_as() -> dict[str, Any]:
     return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def server() -> Iterator[str]:
-    """Start a private server on a free port; yield its DSN; stop and delete it afterwards."""
+    """Start a private server reachable by its owner only; yield its DSN; delete it afterwards.
+
+    WARNING: the server trusts whoever reaches it (no password to hand around), so it must
+    be unreachable to anyone else: no TCP at all (``listen_addresses=''``; on 127.0.0.1 any
+    local user who reads the port in ``ps`` would be its superuser, able to run programs as
+    its owner with ``COPY ... TO PROGRAM``), and its Unix socket in a directory only the
+    server's user may enter (0700). As root the server's user is RUN_AS_WHEN_ROOT, and root
+    (the demo) enters any directory.
+    """
     bin_dir = find_pg_bin()
-    base = Path(tempfile.mkdtemp(prefix="jobrun-demo-"))
-    base.chmod(0o755)
+    base = Path(tempfile.mkdtemp(prefix="jobrun-demo-"))  # 0700, ours
     data, log = base / "data", base / "server.log"
     drop = run_as()
     if drop:
         os.chown(base, drop["user"], drop["group"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    port = _free_port()
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env, **drop}
     try:
         subprocess.run(
-            [bin_dir / "initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8",
-             "--no-sync"],
+            [bin_dir / "initdb", "-D", data, "-U", "postgres", "--auth-local=trust",
+             "--auth-host=reject", "-E", "UTF8", "--no-sync"],
             check=True, timeout=120, **quiet,
         )  # fmt: skip
-        options = f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options = f"-p {PORT} -k {base} -c listen_addresses='' -c fsync=off"
         subprocess.run(
             [bin_dir / "pg_ctl", "-D", data, "-o", options, "-l", log, "-w", "start"],
             check=True, timeout=120, **quiet,
         )  # fmt: skip
-        yield f"host=127.0.0.1 port={port} user=postgres dbname=postgres"
+        yield f"host={base} port={PORT} user=postgres dbname=postgres"
     finally:
         if (data / "postmaster.pid").exists():
             subprocess.run(

@@ -1,11 +1,13 @@
-"""Generated command lines and environments: every one ends in a documented way.
+"""Generated command lines, environments and history fields: each ends in a documented way.
 
 For each: no traceback, never exit 70, no secret in the output, an exit status from the
 documented table, on a usage error the child never ran, and a child that ran (without a
 database, unguarded) was asked to and said so. Most examples call
 jobrun.cli.main in-process; a bounded number run ``python -m jobrun`` with raw argv bytes.
 Nothing needs a database: every DSN points at a closed port. Set
-JOBRUN_HYPOTHESIS_PROFILE=long for a longer search.
+JOBRUN_HYPOTHESIS_PROFILE=long for a longer search. Whatever text another role wrote into
+the run history, or a job printed, the tables, ``show`` and the event lines a person reads
+show it escaped: never a control character, never a line of its own.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from jobrun import log, status
 from jobrun.cli import main
 from jobrun.exitcodes import Exit
+from jobrun.locks import Holder
+from jobrun.status import kept
 from support import EXAMPLES_PROPERTY, jobrun_cli
 
 SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show
@@ -81,6 +86,8 @@ def _odd_text() -> st.SearchStrategy[str]:
         st.text(min_size=0, max_size=12),
         st.binary(min_size=1, max_size=8).map(lambda b: b.decode("utf-8", "surrogateescape")),
         st.sampled_from([" a", "a ", "   ", "a\u200bb", "a\u2028b", "a\u202eb", "e\u0301", "\x7f"]),
+        # Terminal escapes: a screen clear, OSC 52 (a clipboard write), a C1 CSI, CR.
+        st.sampled_from(["\x1b[2J", "\x1b]52;c;aGk=\x07", "a\x9b2Jb", "a\rb", "a\nb"]),
     ).filter(lambda text: "\x00" not in text)
 
 
@@ -110,6 +117,10 @@ dsns = st.one_of(
     _odd_text()
     .filter(lambda text: not _has_escaped_bytes(text))
     .map(lambda text: f"host={CLOSED_HOST} port=1 password={SECRET}{text}"),
+    # The database's name is quoted back in the error that the connection failed.
+    _odd_text()
+    .filter(lambda text: not _has_escaped_bytes(text))
+    .map(lambda text: f"host={CLOSED_HOST} port=1 dbname='{text}'"),
 )
 #: DSNs with bytes that are not UTF-8 (a usage error: libpq takes UTF-8 connection strings).
 #: No NUL: neither argv nor the environment can carry one.
@@ -273,6 +284,9 @@ def on_db_error(argv: list[str], env: dict[str, str]) -> str | None:
     return chosen if chosen is not None else env.get("JOBRUN_ON_DB_ERROR")
 
 
+#: A control character (but newline) or a bidirectional override, raw.
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
 #: The lockstore_unavailable event's running_unguarded=true, as JSON, logfmt or console.
 SAID_UNGUARDED = re.compile(r'\brunning_unguarded"?(?::\s*|=)(?:true|True)\b')
 
@@ -287,6 +301,8 @@ def check(
         assert status == Exit.USAGE, f"{argv!r}: {status}\n{err}"
     shown = f"argv={argv!r}\nstatus={status}\nstdout={out[-2000:]!r}\nstderr={err[-2000:]!r}"
     assert "Traceback" not in out + err, shown
+    # Whatever the input held, nothing of it reaches the terminal as a control character.
+    assert not RAW_CONTROL.search(out + err), shown
     assert status != Exit.INTERNAL, shown
     assert status in DOCUMENTED, shown
     assert SECRET not in out, shown
@@ -321,6 +337,10 @@ class TestCommandLines:
     @example(line=(["--key", "k"], {}))
     @example(line=(["--log-format", "logfmt", "--key", "k", "--on-db-error", "run"], {}))
     @example(line=(["--log-format", "console", "--key", "k", "--on-db-error", "run"], {}))
+    # An error line that quotes what the input held (the database's name): escaped.
+    @example(
+        line=(["status"], {"JOBRUN_DSN": f"host={CLOSED_HOST} port=1 dbname='\x1b]52;c;aGk=\x07'"})
+    )
     @given(line=command_lines())
     def test_in_process(self, line, capfd, mark_dir):
         """jobrun.cli.main(argv) with a generated environment."""
@@ -392,3 +412,85 @@ def test_the_process_examples_use_the_real_entry_point():
     """The subprocess examples run what users run (a broken command would pass vacuously)."""
     result = jobrun_cli.run("key", "a", dsn=None)
     assert result.returncode == 0
+
+
+#: Text another role can write into a history field (host, reason, outcome, a holder's
+#: announcement), or a job can print: any characters, control characters often.
+foreign_text = st.one_of(
+    st.text(max_size=16),
+    st.text(st.characters(max_codepoint=0xA0, exclude_characters="\x00"), max_size=16),
+    st.sampled_from(["\x1b]52;c;aGk=\x07", "\x1b[2J", "a\x9b2Jb", "ok\rforged", "a\nb\u202e"]),
+)
+
+
+class TestForeignText:
+    """Whatever the history holds, what a person reads shows it escaped, on its own line."""
+
+    @given(host=foreign_text, reason=foreign_text, outcome=foreign_text, holder=foreign_text)
+    def test_history_table(self, host, reason, outcome, holder):
+        """A run's host, reason and outcome and a skip's holder: one line, no control character."""
+        run = {
+            "started_at": "2026-12-02T01:00:00+00:00",
+            "outcome": outcome,
+            "exit_code": 1,
+            "duration": 1.5,
+            "deadlocks": None,
+            "host": host,
+            "pid": 7,
+            "run_id": reason,
+            "reason": reason,
+            "signal": None,
+            "holder": {"holder_host": holder, "holder_pid": 8},
+        }
+        table = status.history_table([run, {**run, "outcome": "skipped"}])
+        assert not RAW_CONTROL.search(table), repr(table)
+        assert len(table.splitlines()) == 3, repr(table)
+
+    @given(key=foreign_text, host=foreign_text, outcome=foreign_text, user=foreign_text)
+    def test_status_table_and_check_lines(self, key, host, outcome, user):
+        """A key's holder, last outcome and pause: one line each, no control character."""
+        row = status.KeyStatus(
+            key=key,
+            lock_ids=[1],
+            holder=Holder(key=key, mode="session", host=host, pid=7, run_id=user, since=user),
+            last_outcome=outcome,
+            last_finished_at=user,
+            failure_streak=5,
+            paused={"until": None, "user": user, "host": host},
+        )
+        table = status.status_table([row])
+        assert not RAW_CONTROL.search(table), repr(table)
+        assert len(table.splitlines()) == 2, repr(table)
+        (line,) = status.check_lines([row], alert_after=3)
+        assert not RAW_CONTROL.search(line), repr(line)
+        assert "\n" not in line
+
+    @given(key=foreign_text, host=foreign_text, stdout=st.binary(max_size=64))
+    def test_kept_output(self, key, host, stdout):
+        """``show``: the header on one line, the job's bytes with only newlines and tabs raw."""
+        run = {
+            "run_id": "0c6d08eb-8b18-42d0-8f9c-d6028c86839b",
+            "key": key,
+            "host": host,
+            "outcome": "failed",
+            "exit_code": 1,
+            "started_at": "2026-12-02T01:00:00+00:00",
+            "stdout": stdout,
+            "stderr": None,
+        }
+        shown = kept.render(run).decode()
+        assert not RAW_CONTROL.search(shown.replace("\t", "")), repr(shown)
+        assert shown.splitlines()[1].startswith("--- stdout (last ")
+
+    @given(fmt=st.sampled_from(["console", "logfmt", "json"]), value=foreign_text)
+    def test_event_line(self, fmt, value, tmp_path_factory):
+        """An event field holding the text: one line, no control character (JSON: its escapes)."""
+        path = tmp_path_factory.mktemp("events") / "events.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            log.configure(fmt=fmt, fd=fd).info("skipped", holder_host=value, reason=[value])
+        finally:
+            os.close(fd)
+        written = path.read_text()
+        assert not RAW_CONTROL.search(written), repr(written)
+        assert len(written.splitlines()) == 1, repr(written)

@@ -119,17 +119,18 @@ class _CheckedStdout(io.TextIOWrapper):
         try:
             return super().write(text)
         except OSError as exc:
-            raise _output_error(exc) from None
+            raise output_error(exc) from None
 
     def flush(self) -> None:
         """Flush, or raise OutputError / PipeClosed."""
         try:
             super().flush()
         except OSError as exc:
-            raise _output_error(exc) from None
+            raise output_error(exc) from None
 
 
-def _output_error(exc: OSError) -> JobrunError:
+def output_error(exc: OSError) -> JobrunError:
+    """An OSError writing standard output as what it is: a closed pipe (141) or 74."""
     if exc.errno == errno.EPIPE:
         return PipeClosed("standard output: the reader went away")
     return OutputError(f"cannot write to standard output: {exc.strerror or exc}")
@@ -201,5 +202,9 @@ def _is_open(fd: int) -> bool:
 
 
 def _error(message: str) -> None:
+    from jobrun.escape import printable
+
     with contextlib.suppress(OSError):  # a closed or full stderr must not end in a traceback
-        click.echo(f"jobrun: error: {' '.join(message.split())}", err=True)
+        # A message can quote the server or a file: one line, and nothing it could
+        # make a terminal do.
+        click.echo(f"jobrun: error: {printable(' '.join(message.split()))}", err=True)

@@ -6,6 +6,7 @@ import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
+from jobrun.escape import printable
 from jobrun.exitcodes import Exit, UsageError
 
 
@@ -51,7 +52,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     ) as conn:
         found = status.collect(conn, key_labels)
     for note in found.notes:
-        click.echo(f"jobrun: note: {note}", err=True)
+        click.echo(f"jobrun: note: {printable(note)}", err=True)
     if as_json:
         click.echo(json.dumps([row.as_json() for row in found.keys], indent=2))
     elif found.keys:
@@ -199,21 +200,36 @@ def deadlocks_command(
 
 @click.command("show", cls=Subcommand, takes=("dsn", "connect_timeout"))
 @click.argument("run_id")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="The kept bytes exactly as the job wrote them, terminal escapes included; "
+    "refused (64) when standard output is a terminal.",
+)
 @options.database
-def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
+def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> int:
     """Print the output tails a failed run kept (--keep-output), by its run id.
 
     The run id is in every event line of the run (run_id) and in `jobrun history`.
-    Bytes that are not UTF-8 are shown as U+FFFD. Exit 1 if the run kept no output.
+    Bytes that are not UTF-8 are shown as U+FFFD, and control characters other than
+    newline and tab as escapes (\\x1b): the output cannot drive the terminal. Exit 1 if
+    the run kept no output.
     """
+    import sys
     import uuid
 
     from jobrun import tail
+    from jobrun.status import kept
 
     try:
         run_id = str(uuid.UUID(run_id))
     except ValueError:
         raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
+    if raw and sys.stdout.isatty():
+        raise UsageError(
+            "--raw writes the job's bytes as they are, terminal escapes included: "
+            "not to a terminal (redirect it to a file or a pipe)"
+        )
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
@@ -221,5 +237,19 @@ def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1
-    click.echo(tail.render(run), nl=False)
+    _write_bytes(kept.render(run, raw=raw))
     return 0 if run["stdout"] is not None or run["stderr"] is not None else 1
+
+
+def _write_bytes(data: bytes) -> None:
+    """Write ``data`` to standard output as it is; a failure is the output error it is."""
+    import sys
+
+    from jobrun.cli.main import output_error
+
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    except OSError as exc:
+        raise output_error(exc) from None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from jobrun.escape import printable
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -21,7 +23,12 @@ _OUTCOME_WORDS = {
 
 
 def text(report: Report) -> str:
-    """The whole human report."""
+    """The whole human report, each line escaped.
+
+    The commands' output, the server's error lines, the queries and relation names of the
+    wait-for cycle, the database's name: none of it is ours, so none of it reaches the
+    terminal raw (``--json`` has it exact).
+    """
     total = len(report.attempts)
     lines = [
         f"jobrun overlap: {plural(total, 'attempt')} on {report.database} (--start {report.start})",
@@ -55,7 +62,7 @@ def text(report: Report) -> str:
         unclean = sum(report.count(outcome) for outcome in _OUTCOME_WORDS)
         but = f" (but {unclean} did not end cleanly: see above)" if unclean else ""
         lines.append(f"no deadlock in {plural(total, 'attempt')}{but}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def summary(attempt: Attempt) -> str:

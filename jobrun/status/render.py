@@ -6,6 +6,7 @@ import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 from jobrun.durations import format_seconds
+from jobrun.escape import printable
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -143,7 +144,7 @@ def check_lines(rows: Iterable[KeyStatus], alert_after: int) -> list[str]:
                 "stuck": f"running for {_duration(row.running_for)}, typically "
                 f"{_duration(row.typical_duration)}",
             }[what]
-            lines.append(f"{what}: {row.key}: {detail}")
+            lines.append(printable(f"{what}: {row.key}: {detail}"))
     return lines
 
 
@@ -151,7 +152,9 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def _align(lines: Sequence[tuple[str, ...]]) -> str:
+def _align(rows: Sequence[tuple[str, ...]]) -> str:
+    """The rows as aligned columns; each cell escaped, as most come from the database."""
+    lines = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
