@@ -51,7 +51,10 @@ def write(template: str, sample: Sample, log: FilteringBoundLogger) -> None:
         log.warning(
             "metrics_unavailable",
             path=path,
-            hint="--metrics-file needs prometheus-client: pip install 'jobrun[metrics]'",
+            hint=(
+                "--metrics-file needs prometheus-client: install jobrun with the metrics extra "
+                "(docs/install.md), or use the single file, which carries it"
+            ),
         )
         return
     try:

