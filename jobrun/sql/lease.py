@@ -65,11 +65,14 @@ ORDER BY lock_id
 LEASE_RENEW = """
 UPDATE jobrun.leases
 SET renewed_at = clock_timestamp(), expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
-WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s
+WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND owner = %(owner)s::uuid
   -- An expired lease is not renewed: another run (of either mode) may have started on it.
   AND expires_at > clock_timestamp()
 RETURNING lock_id
 """
+
+#: The renewal alone, as one row: how many leases it renewed.
+LEASE_RENEW_COUNT = f"WITH renewed AS ({LEASE_RENEW}) SELECT count(*) FROM renewed"  # noqa: S608 - constants only
 
 #: Release only what is still ours: a stale run can never release a newer run's lease.
 LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s"
