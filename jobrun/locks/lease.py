@@ -14,7 +14,7 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
-from jobrun.keys import SCHEMA_LOCK_ID, Key, describe
+from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
@@ -376,5 +376,5 @@ class LeaseLock:
 def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     """Create the jobrun schema and tables, once, even when 50 first runs race for it."""
     with conn.transaction():
-        conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+        conn.execute(sql.SCHEMA_XACT_LOCK)
         conn.execute(sql.SCHEMA)
