@@ -159,6 +159,20 @@ class TestLockedSideTables:
         stderr = _finish(proc, release)
         assert proc.returncode == 0, stderr
 
+    @pytest.mark.parametrize("mode", ["session", "lease"])
+    def test_fenced_run_starting_while_stop_requests_are_locked_starts_its_child(
+        self, dsn, key, tmp_path, mode
+    ):
+        """--fence confirms the lock (a check with the stop lookup) before the child starts."""
+        ensure_runs_table(dsn)
+        marker, release = tmp_path / "child", tmp_path / "release"
+        with _table_locked(dsn, "stop_requests"):
+            proc = _run(mode, key, dsn, _until_released(marker, release), "--fence")
+            wait_for_file(marker, proc=proc, timeout=CONNECT_TIMEOUT + HISTORY_TIMEOUT)
+        stderr = _finish(proc, release)
+        assert proc.returncode == 0, stderr
+        assert event(stderr, "fence_taken")
+
     def test_lease_table_locked_past_the_lease_stops_the_child_in_time(self, dsn, key, tmp_path):
         """A lock on jobrun.leases itself is an ambiguous heartbeat: stopped before expiry."""
         ensure_runs_table(dsn)
