@@ -20,7 +20,7 @@ from psycopg import conninfo
 from psycopg.adapt import AdaptersMap, Dumper
 
 from jobrun import sql
-from jobrun.exitcodes import LockStoreUnavailable, UsageError
+from jobrun.exitcodes import TLS, LockStoreUnavailable, UsageError
 from jobrun.log import mask_secrets, safe_text
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ _REPORTED = {
     "client_encoding": ("utf8",),
 }
 
-#: Connection-failure reasons (``LockStoreUnavailable.reason``), documented in docs/connecting.md.
+#: Connection-failure reasons (``LockStoreUnavailable.reason``), documented in docs/connecting.md,
+#: with ``TLS`` (imported from exitcodes: a certificate, a host name, TLS itself).
 UNREACHABLE = "unreachable"
 REFUSED = "refused"
 
@@ -86,6 +87,17 @@ _REFUSED = (
     r"(?i)FATAL:|authentication failed|no password supplied|password is required"
     r"|server requested .*authentication|SSL .*required|does not support SSL"
     r"|pg_hba\.conf|permission denied"
+)
+# TLS could not be set up as sslmode asks: the server's certificate failed verification or
+# names another host (verify-ca, verify-full), the server does not offer TLS (require), a
+# certificate or key file libpq needs is missing or unreadable, or the handshake failed.
+# libpq's "SSL SYSCALL error" and an unexpected EOF are the network failing: unreachable.
+_TLS = (
+    r"(?i)certificate verify failed|does not match host name|server certificate for"
+    r"|does not support SSL|root certificate file|certificate present, but not private key"
+    r"|could not (?:load|read|open) (?:SSL )?(?:certificate|private key|root certificate)"
+    r"|private key file|SSL error: (?!unexpected eof)|tlsv1 alert|sslv3 alert"
+    r"|wrong version number"
 )
 # PgBouncer (before 1.20) refuses any start-up parameter it does not track.
 _OPTIONS_UNSUPPORTED = r"(?i)unsupported startup parameter: options"
@@ -288,7 +300,9 @@ def connect(target: Target, *, app_name: str) -> Connection:
 
 
 def classify(message: str) -> str:
-    """``refused`` when the server answered and said no, else ``unreachable``."""
+    """``tls``, ``refused`` (the server answered and said no) or ``unreachable``."""
+    if re.search(_TLS, message):
+        return TLS
     return REFUSED if re.search(_BUSY, message) or re.search(_REFUSED, message) else UNREACHABLE
 
 

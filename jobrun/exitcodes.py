@@ -45,7 +45,8 @@ TABLE: tuple[tuple[str, str], ...] = (
         (
             "lock store unavailable or unfit: the child was not started; `reason` says "
             "`unreachable` (nobody answered in `--connect-timeout`), `refused` (auth, role, "
-            "database, still full after retrying), `standby`, `transaction_pooler`, "
+            "database, still full after retrying), `tls` (certificate, host name or no TLS "
+            "where sslmode asks for it; never run unguarded), `standby`, `transaction_pooler`, "
             "`history_unavailable` (`--once-per`)"
         ),
     ),
@@ -120,6 +121,11 @@ class UsageError(JobrunError):
     event = "usage_error"
 
 
+#: The server could not prove who it is, or would not encrypt when asked to (a certificate,
+#: a host name, TLS itself): no outage, so never a reason to run a child unguarded.
+TLS = "tls"
+
+
 class LockStoreUnavailable(JobrunError):
     """The database cannot be reached, refuses us, or cannot hold our lock safely."""
 
@@ -129,6 +135,15 @@ class LockStoreUnavailable(JobrunError):
     def __init__(self, message: str, *, reason: str = "unreachable") -> None:
         super().__init__(message)
         self.reason = reason
+
+    @property
+    def fails_closed(self) -> bool:
+        """Whether the child must not run even with ``--on-db-error run``.
+
+        WARNING: whoever can stand between us and the server (a spoofed address, a proxy
+        with the wrong certificate) could otherwise have every job run unguarded at will.
+        """
+        return self.reason == TLS
 
 
 class LockLost(JobrunError):

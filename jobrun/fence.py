@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 from psycopg import errors
 
 from jobrun import db, sql
-from jobrun.keys import SCHEMA_LOCK_ID
 
 if TYPE_CHECKING:
     import psycopg
@@ -74,7 +73,7 @@ def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLo
 def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     """Create ``jobrun.fence`` once, even when many first runs race for it."""
     with conn.transaction():
-        conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+        conn.execute(sql.SCHEMA_XACT_LOCK)
         conn.execute(sql.FENCE_SCHEMA)
 
 

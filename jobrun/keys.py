@@ -12,11 +12,6 @@ MAX_KEY_CHARS = 200
 LOCK_ID_MIN = -(2**63)
 LOCK_ID_MAX = 2**63 - 1
 LOCK_ID_PREFIX = "lock-id:"
-#: Serializes creating the jobrun schema and tables (a transaction-scoped advisory lock
-#: every writer takes first): ``lock_id_for("jobrun:schema")``, written out so that
-#: importing this module hashes nothing. Every jobrun version must use the same id, or two
-#: versions' first runs could race to create the tables.
-SCHEMA_LOCK_ID = -1544725646478961277
 
 
 class Key(NamedTuple):

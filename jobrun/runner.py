@@ -187,7 +187,8 @@ class _GuardedRun:
         try:
             holder = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
-            unguarded = job.on_db_error == "run"
+            # A TLS failure is no outage: the child never runs without its lock then.
+            unguarded = job.on_db_error == "run" and not exc.fails_closed
             log.error(
                 exc.event,
                 reason=exc.reason,

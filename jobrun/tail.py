@@ -258,7 +258,6 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
 
     from jobrun import db, sql  # noqa: PLC0415
     from jobrun.exitcodes import LockStoreUnavailable  # noqa: PLC0415
-    from jobrun.keys import SCHEMA_LOCK_ID  # noqa: PLC0415
 
     params = {"run_id": run_id, "stdout": capture.stdout_tail, "stderr": capture.stderr_tail}
     bounded = dataclasses.replace(
@@ -277,7 +276,7 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
             except errors.UndefinedColumn:
                 with conn.transaction():
                     conn.execute(sql.RUNS_TIMEOUTS, {"ms": str(int(STORE_TIMEOUT * 1000))})
-                    conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+                    conn.execute(sql.SCHEMA_XACT_LOCK)
                     conn.execute(sql.RUNS_TAIL_COLUMNS)
                 stored = attempt(conn)
     except (psycopg.Error, LockStoreUnavailable) as exc:

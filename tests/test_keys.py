@@ -45,9 +45,9 @@ class TestLockIds:
         assert row is not None
         assert row[0] == lock_id
 
-    def test_the_schema_lock_is_its_keys_id(self):
-        """The schema's lock id, written out in jobrun.keys, is the id of "jobrun:schema"."""
-        assert keys.lock_id_for("jobrun:schema") == keys.SCHEMA_LOCK_ID
+    def test_jobrun_schema_is_a_name_like_any_other(self):
+        """The name jobrun:schema maps as every name does (older versions locked its id)."""
+        assert keys.lock_id_for("jobrun:schema") == -1544725646478961277
 
     def test_pg_locks_pair_matches_what_postgres_shows(self, dsn):
         """classid/objid as printed by `jobrun key` are how pg_locks shows the lock."""

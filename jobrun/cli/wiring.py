@@ -139,6 +139,7 @@ def _lock(
             log,
             ttl=settings.ttl,
             lifetime=settings.lifetime,
+            heartbeat=settings.heartbeat,
             lend=lend,
         )
     from jobrun.locks import session

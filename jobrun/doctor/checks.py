@@ -11,7 +11,15 @@ from jobrun.doctor.capacity import advisory, connections, schema
 from jobrun.doctor.defaults import READ_ONLY, end_immunity, immunise, session_defaults
 from jobrun.doctor.finding import UNKNOWN, Finding
 from jobrun.doctor.forensics import deadlock_logging
-from jobrun.doctor.server import connection, idle_timeouts, keepalives, pooler, role, server
+from jobrun.doctor.server import (
+    connection,
+    encryption,
+    idle_timeouts,
+    keepalives,
+    pooler,
+    role,
+    server,
+)
 from jobrun.exitcodes import JobrunError
 
 if TYPE_CHECKING:
@@ -26,6 +34,7 @@ def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]
     defaults: dict[str, str] = {}
     checks: tuple[tuple[str, Callable[[], Iterable[Finding]]], ...] = (
         ("connection", lambda: [connection(conn, target)]),
+        ("encryption", lambda: [encryption(conn)]),
         ("server", lambda: [server(conn)]),
         ("role", lambda: [role(conn)]),
         ("session defaults", lambda: session_defaults(conn, mode, defaults)),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
 
 from jobrun import db, sql
 from jobrun.doctor import query
 from jobrun.doctor.finding import FAIL, OK, WARN, Finding
+from jobrun.log import safe_text
 
 if TYPE_CHECKING:
     from jobrun.doctor.query import Connection
@@ -20,6 +22,50 @@ KEEPALIVE_BUDGET = 300
 def connection(conn: Connection, target: db.Target) -> Finding:
     """Where the doctor connected, and as which role."""
     return Finding(OK, "connection", f"{db.describe(target)} as {conn.info.user}")
+
+
+def encryption(conn: Connection) -> Finding:
+    """Whether the connection is encrypted; in the clear over a network it warns.
+
+    Asked of libpq (our end of this very connection), not of the server: behind a pooler
+    the hop that matters first is ours.
+    """
+    pgconn = conn.pgconn
+    sslmode = next(
+        (str(opt.val.decode()) for opt in pgconn.info if opt.keyword == b"sslmode" and opt.val),
+        "prefer",
+    )
+    if pgconn.ssl_in_use:
+        if sslmode == "verify-full":
+            return Finding(OK, "encryption", "encrypted (TLS), the server's identity verified")
+        return Finding(
+            OK,
+            "encryption",
+            f"encrypted (TLS), sslmode={sslmode}: the server's certificate and host name are "
+            "not checked (sslmode=verify-full with sslrootcert checks both)",
+        )
+    peer = network_peer(conn.info.host, conn.info.hostaddr)
+    if peer is None:
+        return Finding(OK, "encryption", "not encrypted: a local connection (socket or loopback)")
+    return Finding(
+        WARN,
+        "encryption",
+        f"not encrypted over the network to {safe_text(peer)} (sslmode={sslmode}): "
+        "passwords and job names cross it in the clear, and whoever is on the path can "
+        "answer as the server; use sslmode=verify-full",
+    )
+
+
+def network_peer(host: str, hostaddr: str) -> str | None:
+    """The address a TCP connection to a non-loopback host went to (None: a local one)."""
+    if not host or host.startswith(("/", "@")):  # a Unix-domain socket (or an abstract one)
+        return None
+    try:
+        if ipaddress.ip_address(hostaddr or host).is_loopback:
+            return None
+    except ValueError:  # a name without its address: say the name
+        return host
+    return hostaddr or host
 
 
 def server(conn: Connection) -> Finding:

@@ -12,7 +12,6 @@ from psycopg.rows import dict_row
 
 from jobrun import db, sql
 from jobrun.exitcodes import JobrunError
-from jobrun.keys import SCHEMA_LOCK_ID
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -75,7 +74,7 @@ def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
     """
     psycopg.ClientCursor(conn).execute(
         sql.RUNS_TIMEOUTS + ";\n" + sql.RUNS_SCHEMA_LOCK + ";\n" + sql.RUNS_SCHEMA,
-        {"ms": str(timeout_ms), "schema_lock": SCHEMA_LOCK_ID},
+        {"ms": str(timeout_ms)},
     )
 
 

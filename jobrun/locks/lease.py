@@ -14,9 +14,9 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
-from jobrun.keys import SCHEMA_LOCK_ID, Key, describe
+from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
-from jobrun.locks.stops import StopProbe
+from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -155,6 +155,7 @@ class LeaseLock:
         *,
         ttl: float,
         lifetime: float,
+        heartbeat: float = 1.0,
         lend: bool = False,
     ) -> None:
         self._keys = keys
@@ -164,6 +165,7 @@ class LeaseLock:
         self._log = log
         self._ttl = ttl
         self.confirmation_lifetime = lifetime
+        self._lock_wait = lock_wait(heartbeat)
         self.confirmed_at = 0.0
         self._app_name = db.application_name(describe(keys))
         self._held = False
@@ -179,6 +181,8 @@ class LeaseLock:
             "host": identity.host,
             "pid": identity.pid,
             "ttl": ttl,
+            # A stop request counts only if it names one of these (the label or a key's).
+            "stop_keys": list(dict.fromkeys([describe(keys), *(key.label for key in keys)])),
         }
 
     def acquire(self, wait: float) -> Holder | None:
@@ -275,9 +279,15 @@ class LeaseLock:
         try:
             with db.connect(self._target, app_name=self._app_name) as conn:
                 # The renewal also reads a ``jobrun stop`` request for us, where it can.
+                # Each statement waits for a table lock only so long: a lock on the stop
+                # requests' table costs the lookup, never the renewal (nor the run). One on
+                # the lease table fails the renewal itself: an ambiguous heartbeat, retried
+                # until the lease would expire.
                 renewed, request = self._stop_probe.check(
-                    lambda: conn.execute(sql.LEASE_RENEW_OR_STOP, self._params).fetchone(),
-                    lambda: len(conn.execute(sql.LEASE_RENEW, self._params).fetchall()),
+                    lambda: bounded_row(
+                        conn, sql.LEASE_RENEW_OR_STOP, self._params, wait=self._lock_wait
+                    ),
+                    lambda: self._renew_alone(conn),
                 )
         except psycopg.Error as exc:
             raise db.unavailable(exc, self._target, "renewing the lease") from None
@@ -289,6 +299,11 @@ class LeaseLock:
             raise LockLost(
                 f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
             )
+
+    def _renew_alone(self, conn: psycopg.Connection[tuple[object, ...]]) -> int:
+        """Renew without the stop-request lookup: how many leases are still ours."""
+        row = bounded_row(conn, sql.LEASE_RENEW_COUNT, self._params, wait=self._lock_wait)
+        return int(str(row[0])) if row else 0
 
     def pause(self, seconds: float, stop_fd: int) -> None:
         """No connection to watch between renewals: just wait."""
@@ -361,5 +376,5 @@ class LeaseLock:
 def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     """Create the jobrun schema and tables, once, even when 50 first runs race for it."""
     with conn.transaction():
-        conn.execute(sql.SCHEMA_XACT_LOCK, (SCHEMA_LOCK_ID,))
+        conn.execute(sql.SCHEMA_XACT_LOCK)
         conn.execute(sql.SCHEMA)

@@ -17,7 +17,7 @@ from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
-from jobrun.locks.stops import StopProbe
+from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -49,6 +49,7 @@ class SessionLock:
     ) -> None:
         # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
         self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
+        self._lock_wait = lock_wait(heartbeat)
         # WARNING: the server must notice a vanished host (with the OS defaults it keeps a
         # half-open connection, and so the lock, for about 2 h), but only after we would have
         # SIGKILLed the child on our side of a partition: its keepalives start after
@@ -78,6 +79,8 @@ class SessionLock:
         self._app_name = db.application_name(describe(keys))
         self.confirmed_at = 0.0
         self._run_id = identity.run_id
+        #: A stop request counts only if it names one of these (the label or a key's).
+        self._stop_keys = list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
         #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
         self.stop_request: dict[str, object] | None = None
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, target))
@@ -214,9 +217,13 @@ class SessionLock:
         held = [key.lock_id for key in self._held]
         try:
             count, request = self._stop_probe.check(
-                lambda: conn.execute(
-                    self._comment + sql.HELD_BY_US_OR_STOP, (held, self._run_id)
-                ).fetchone(),
+                lambda: bounded_row(
+                    conn,
+                    sql.HELD_BY_US_OR_STOP,
+                    {"lock_ids": held, "run_id": self._run_id, "stop_keys": self._stop_keys},
+                    wait=self._lock_wait,
+                    prefix=self._comment,
+                ),
                 lambda: _count(conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()),
             )
         except psycopg.Error as exc:

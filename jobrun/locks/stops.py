@@ -4,34 +4,77 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import psycopg
 from psycopg import errors
 
+from jobrun import sql
+
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
     from structlog.typing import FilteringBoundLogger
 
 #: Without a readable stop requests' table, look for it again after this long (seconds).
 STOP_TABLE_PROBE = 10.0
 
+#: Longest wait of a heartbeat's statement for a table lock (seconds). WARNING: a history
+#: call on the lock session waits for the heartbeat's statement to end and is cut as silent
+#: 2 s past its own timeout: this keeps a heartbeat stuck behind a table lock well inside
+#: that grace, and leaves room for the lock check alone right after it.
+LOCK_WAIT_CAP = 0.5
+
+
+def lock_wait(heartbeat: float) -> float:
+    """How long one heartbeat statement may wait for a table lock: half an interval, capped.
+
+    A table held by someone else (``LOCK TABLE``) must not hold the heartbeat past its own
+    cadence: the lock check then goes on without the stop-request lookup.
+    """
+    return min(heartbeat / 2, LOCK_WAIT_CAP)
+
+
+def bounded_row(
+    conn: psycopg.Connection[Any],
+    statement: str,
+    params: Mapping[str, object],
+    *,
+    wait: float,
+    prefix: str = "",
+) -> tuple[object, ...] | None:
+    """``statement``'s row, sent in one message after a lock_timeout of ``wait`` local to it.
+
+    lock_timeout must be in force before the statement is parsed (its tables are locked
+    then): the setting is a statement of its own in the same message, bound on the client.
+    """
+    # Bound on the client: a percent sign in the prefix (a host name) must be doubled.
+    message = prefix.replace("%", "%%") + sql.HEARTBEAT_LOCK_WAIT + ";\n" + statement
+    cursor = psycopg.ClientCursor(conn)
+    cursor.execute(message, {**params, "lock_wait": f"{max(1, round(wait * 1000))}ms"})
+    cursor.nextset()
+    return cursor.fetchone()
+
 
 class StopProbe:
     """Sends a lock's check with the stop-request lookup, or, where that cannot work, alone.
 
-    The lookup needs the stop requests' table and SELECT on it. Without the table (no run
-    with history and no ``jobrun stop`` here yet) or without the privilege, the check goes
-    on alone, and tries the lookup again after STOP_TABLE_PROBE (a table created, a grant
-    added). WARNING: a refused lookup must never count as a failed check: the lock is fine,
-    and a role nobody granted the table to would otherwise have every run stopped as lost.
+    The lookup needs the stop requests' table, SELECT on it, and the table not locked by
+    someone else. Without the table (no run with history and no ``jobrun stop`` here yet),
+    without the privilege, or behind another session's lock for longer than the statement's
+    lock_timeout, the check goes on alone, and tries the lookup again after
+    STOP_TABLE_PROBE (a table created, a grant added, a lock gone).
+
+    WARNING: only the lock check itself proves a loss. A refused or locked lookup must never
+    count as a failed check: the lock is fine, and a role nobody granted the table to, or
+    anyone able to lock it, would otherwise have every run stopped as lost.
     """
 
     def __init__(self, log: FilteringBoundLogger, describe: Callable[[Exception], str]) -> None:
         self._log = log
         self._describe = describe
         self._next = 0.0
-        self._warned = False
+        self._warned: set[str] = set()
 
     def check(
         self,
@@ -51,7 +94,11 @@ class StopProbe:
             except errors.UndefinedTable:
                 self._next = time.monotonic() + STOP_TABLE_PROBE
             except errors.InsufficientPrivilege as exc:
-                refused = self._describe(exc)
+                refused = ("stop_requests_unreadable", self._describe(exc))
+            except errors.LockNotAvailable as exc:
+                # Our lock (lease mode: the lease table) or the stop requests' table: the
+                # check alone tells which, and only it can count the lock lost.
+                refused = ("stop_check_unavailable", self._describe(exc))
             else:
                 if row is None:
                     return 0, None
@@ -60,16 +107,23 @@ class StopProbe:
         count = alone()
         if refused is not None:
             # Blamed on the lookup only now that the check alone went through.
-            self._refused(refused)
+            self._refused(*refused)
         return count, None
 
-    def _refused(self, error: str) -> None:
+    def _refused(self, event: str, error: str) -> None:
         self._next = time.monotonic() + STOP_TABLE_PROBE
-        if not self._warned:
-            self._warned = True
-            self._log.warning(
-                "stop_requests_unreadable",
-                error=error,
-                note="jobrun stop cannot reach this run until this role is granted SELECT "
-                "on jobrun.stop_requests; the lock itself is checked as usual",
+        if event in self._warned:
+            return
+        self._warned.add(event)
+        if event == "stop_requests_unreadable":
+            note = (
+                "jobrun stop cannot reach this run until this role is granted SELECT "
+                "on jobrun.stop_requests; the lock itself is checked as usual"
             )
+        else:
+            note = (
+                "the stop-request lookup waited in vain for a table another session has "
+                "locked: jobrun stop cannot reach this run meanwhile; the lock itself is "
+                "checked as usual and the run goes on"
+            )
+        self._log.warning(event, error=error, note=note)

@@ -37,23 +37,26 @@ CREATE TABLE IF NOT EXISTS jobrun.expectations (
 """
 
 #: The lock session's heartbeat (HELD_BY_US) and a stop request for this run, in one statement.
+#: WARNING: a request counts only if it names one of the run's own keys (its label or a key
+#: name): whoever may write a row for a key they were granted must not stop the run of
+#: another key by writing its run id.
 HELD_BY_US_OR_STOP = """
 SELECT (SELECT count(*) FROM pg_locks
         WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()
-          AND ((classid::int8 << 32) | objid::int8) = ANY(%s)),
+          AND ((classid::int8 << 32) | objid::int8) = ANY(%(lock_ids)s::int8[])),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %s::uuid) AS s)
+            WHERE run_id = %(run_id)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
 """
 
 #: Lease mode's renewal (LEASE_RENEW itself, so the two cannot drift apart) and a stop
-#: request for this run, in one statement.
+#: request for this run naming one of its keys (as above), in one statement.
 LEASE_RENEW_OR_STOP = f"""
 WITH renewed AS ({LEASE_RENEW})
 SELECT (SELECT count(*) FROM renewed),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %(owner)s::uuid) AS s)
+            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
 """  # noqa: S608 - composed of this package's constants only
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jobrun.sql.control import CONTROL_SCHEMA, PAUSES_IN_FORCE
+from jobrun.sql.lease import SCHEMA_XACT_LOCK
 
 # Each history call is ONE message of the statements below, joined by ";" and bound on the
 # client: the server runs it as one implicit transaction (the settings made local by
@@ -51,8 +52,9 @@ CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_
     + CONTROL_SCHEMA
 )
 
-#: Serializes the schema's creation (transaction-scoped: released with the message).
-RUNS_SCHEMA_LOCK = "SELECT pg_advisory_xact_lock(%(schema_lock)s)"
+#: Serializes the schema's creation (transaction-scoped: released with the message); the
+#: same lock as lease mode's, out of every key's reach.
+RUNS_SCHEMA_LOCK = SCHEMA_XACT_LOCK
 
 #: Every history message starts with this: a history statement never holds a job (or the
 #: heartbeat sharing its session) up for longer than its share of the call's timeout.

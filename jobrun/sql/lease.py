@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 #: Taken (transaction-scoped) around the DDL so that 50 first runs at once create it once.
-SCHEMA_XACT_LOCK = "SELECT pg_advisory_xact_lock(%s)"
+#: WARNING: jobrun's own advisory locks live in the two-int4 space (pg_locks objsubid 2),
+#: which no key can reach: every key, named or ``--lock-id``, locks a bigint (objsubid 1).
+#: A key that maps to one of them could otherwise hold up every first run, or be held up.
+#: classid 1785684594 is "jobr" in ASCII; objid 1 is the schema.
+SCHEMA_XACT_LOCK = "SELECT pg_advisory_xact_lock(1785684594, 1)"
 
 SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS jobrun;
@@ -65,11 +69,14 @@ ORDER BY lock_id
 LEASE_RENEW = """
 UPDATE jobrun.leases
 SET renewed_at = clock_timestamp(), expires_at = clock_timestamp() + make_interval(secs => %(ttl)s)
-WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s
+WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND owner = %(owner)s::uuid
   -- An expired lease is not renewed: another run (of either mode) may have started on it.
   AND expires_at > clock_timestamp()
 RETURNING lock_id
 """
+
+#: The renewal alone, as one row: how many leases it renewed.
+LEASE_RENEW_COUNT = f"WITH renewed AS ({LEASE_RENEW}) SELECT count(*) FROM renewed"  # noqa: S608 - constants only
 
 #: Release only what is still ours: a stale run can never release a newer run's lease.
 LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s"

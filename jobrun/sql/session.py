@@ -42,6 +42,10 @@ LOCK = "SELECT pg_advisory_lock(%s)"
 UNLOCK = "SELECT pg_advisory_unlock(%s)"
 SET_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %s, false)"
 
+#: First in a heartbeat's message (bound on the client: one message, one implicit
+#: transaction, the setting local to it): how long its statement may wait for a table lock.
+HEARTBEAT_LOCK_WAIT = "SELECT set_config('lock_timeout', %(lock_wait)s, true)"
+
 #: How many of our lock ids this very backend holds. A bigint advisory key is stored as
 #: classid (high 32 bits) and objid (low 32 bits) with objsubid 1 (an int4 pair would be
 #: objsubid 2); the shift wraps, so negative ids come back exactly.
