@@ -59,6 +59,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     (with --force: its lock was then taken away).
     """
     from jobrun import control, keys
+    from jobrun.tenants import shown
 
     keys.validate_label(key_label)
     with options.connected(
@@ -68,7 +69,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
             return int(Exit.ATTENTION)
-        who = f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})"
+        who = shown(f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})")
         if holder.run_id is None:
             # No run id to address a request to: not a jobrun run, or one whose statements
             # (where a run announces itself) this role may not see.
@@ -77,8 +78,9 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        control.request_stop(conn, key_label, holder, reason)
-        click.echo(f"asked {who} to stop", err=True)
+        control.verify_run(conn, key_label, holder)
+        by = control.request_stop(conn, key_label, holder, reason)
+        click.echo(f"asked {who} to stop (as role {shown(by)})", err=True)
         result = control.wait_for_end(conn, key_label, holder, wait, force=force)
     if result.ended:
         how = f": {result.outcome} (exit {result.exit_code})" if result.outcome else ""
@@ -128,6 +130,7 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     A run already going is not affected; paused skips never build a skip streak.
     """
     from jobrun import control, keys
+    from jobrun.tenants import shown
 
     keys.validate_label(key_label)
     if for_ is not None and until is not None:
@@ -136,8 +139,10 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
     ) as conn:
-        since, ends = control.pause(conn, key_label, seconds=for_, until=until_at, reason=reason)
-    click.echo(f"paused {key_label} since {since} until {ends or 'resumed'}")
+        since, ends, by = control.pause(
+            conn, key_label, seconds=for_, until=until_at, reason=reason
+        )
+    click.echo(f"paused {key_label} since {since} until {ends or 'resumed'} (by role {shown(by)})")
     return 0
 
 

@@ -12,6 +12,7 @@ from jobrun.doctor.defaults import READ_ONLY, end_immunity, immunise, session_de
 from jobrun.doctor.finding import UNKNOWN, Finding
 from jobrun.doctor.forensics import deadlock_logging
 from jobrun.doctor.server import connection, idle_timeouts, keepalives, pooler, role, server
+from jobrun.doctor.tenancy import tenancy
 from jobrun.exitcodes import JobrunError
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]
         ("role", lambda: [role(conn)]),
         ("session defaults", lambda: session_defaults(conn, mode, defaults)),
         ("schema", lambda: schema(conn, mode, read_only=defaults.get(READ_ONLY) == "on")),
+        ("tenancy", lambda: tenancy(conn)),
         ("pooler", lambda: [pooler(conn, target, mode)]),
         ("idle timeouts", lambda: idle_timeouts(conn)),
         ("tcp keepalives", lambda: [keepalives(conn, mode)]),
