@@ -19,9 +19,9 @@ from jobrun.history.config import iso
 from jobrun.keys import LOCK_ID_PREFIX
 from jobrun.locks import Holder
 from jobrun.locks.session import session_holder
+from jobrun.printable import shown
 from jobrun.slots import MAX_SLOTS, slot_lock_id
 from jobrun.status import lock_ids_of
-from jobrun.tenants import shown
 
 if TYPE_CHECKING:
     import datetime as dt
@@ -41,7 +41,6 @@ class StopRefused(JobrunError):
     """The run a key's holder names cannot be shown to be a run of that key: not asked."""
 
     exit_code = Exit.NOT_ENDED
-    event = "stop_refused"
 
 
 def who_asks() -> dict[str, object]:
@@ -100,10 +99,11 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> None:
         return
     try:
         row = conn.execute(sql.RUN_LABEL, (holder.run_id,)).fetchone()
-    except errors.UndefinedFunction:  # before jobrun init: the table, as this role sees it
+    except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        # Before jobrun init: the table, as this role sees it (no schema yet: no history).
         try:
             row = conn.execute(sql.RUN_LABEL_VISIBLE, (holder.run_id,)).fetchone()
-        except (errors.UndefinedTable, errors.InsufficientPrivilege):
+        except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
             row = None
     recorded = None if row is None else row[0]
     if recorded is not None and not set(label.split(",")) <= set(str(recorded).split(",")):

@@ -11,6 +11,7 @@ from psycopg import sql as pgsql
 
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
 from jobrun.keys import LOCK_ID_PREFIX, validate_name
+from jobrun.printable import shown
 from jobrun.sql import tenants as statements
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ class OutputRefused(JobrunError):
     """A role that may read the history but not the output runs kept (a reader)."""
 
     exit_code = LockStoreUnavailable.exit_code
-    event = "output_refused"
 
 
 @dataclass(frozen=True)
@@ -88,16 +88,6 @@ def validate_pattern(pattern: str) -> str:
         raise UsageError(f"{where} contains a comma (commas join several keys)")
     escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return escaped.replace("*", "%").replace("?", "_")
-
-
-def shown(text: object) -> str:
-    """``text`` fit for a terminal: control and invisible characters spelled as escapes."""
-    return "".join(
-        char
-        if unicodedata.category(char) not in {"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"}
-        else char.encode("unicode_escape", "backslashreplace").decode("ascii")
-        for char in str(text)
-    )
 
 
 def init_statements(*, make_roles: Iterable[str], roles: Iterable[str]) -> list[Statement]:

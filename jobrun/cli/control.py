@@ -59,7 +59,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     (with --force: its lock was then taken away).
     """
     from jobrun import control, keys
-    from jobrun.tenants import shown
+    from jobrun.printable import shown
 
     keys.validate_label(key_label)
     with options.connected(
@@ -130,7 +130,7 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     A run already going is not affected; paused skips never build a skip streak.
     """
     from jobrun import control, keys
-    from jobrun.tenants import shown
+    from jobrun.printable import shown
 
     keys.validate_label(key_label)
     if for_ is not None and until is not None:

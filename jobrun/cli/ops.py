@@ -208,7 +208,7 @@ def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
     """
     import uuid
 
-    from jobrun import tail
+    from jobrun import tail, tenants
 
     try:
         run_id = str(uuid.UUID(run_id))
@@ -217,7 +217,7 @@ def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
-        run = tail.read(conn, run_id)
+        run = tenants.read_output(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1

@@ -72,6 +72,7 @@ def grant_command(  # noqa: PLR0917 - click passes one parameter per option
     another key's runs in any jobrun table.
     """
     from jobrun import tenants
+    from jobrun.printable import shown
 
     if sum((operator, reader, revoke)) > 1:
         raise UsageError("--operator, --reader and --revoke exclude each other")
@@ -92,7 +93,7 @@ def grant_command(  # noqa: PLR0917 - click passes one parameter per option
         tenants.grant(conn, request)
     what = "revoked" if revoke else f"granted {kind}"
     keys = f" keys {', '.join(request.patterns)}" if request.patterns else ""
-    click.echo(f"{what}{keys} {'from' if revoke else 'to'} {tenants.shown(role)}")
+    click.echo(f"{what}{keys} {'from' if revoke else 'to'} {shown(role)}")
     return 0
 
 
@@ -104,6 +105,7 @@ def grants_command(dsn: str, connect_timeout: float, as_json: bool) -> int:
     import json
 
     from jobrun import tenants
+    from jobrun.printable import shown
 
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-grants", doing="reading the grants"
@@ -119,9 +121,9 @@ def grants_command(dsn: str, connect_timeout: float, as_json: bool) -> int:
         when = since.isoformat(timespec="seconds") if hasattr(since, "isoformat") else since
         lines.append(
             (
-                tenants.shown(row["role"]) + gone,
+                shown(row["role"]) + gone,
                 str(row["kind"]),
-                tenants.shown(row["pattern"]),
+                shown(row["pattern"]),
                 str(when),
             )
         )

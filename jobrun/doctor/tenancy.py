@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from jobrun import sql
 from jobrun.doctor import query
 from jobrun.doctor.finding import FAIL, NOTE, OK, WARN, Finding
+from jobrun.printable import shown
 from jobrun.sql.tenants import GUARDED_TABLES
-from jobrun.tenants import shown
 
 if TYPE_CHECKING:
     from jobrun.doctor.query import Connection
