@@ -85,18 +85,23 @@ def holder_of(conn: Connection, label: str) -> Holder | None:
     return None
 
 
-def verify_run(conn: Connection, label: str, holder: Holder) -> None:
-    """Raise StopRefused unless the history allows that ``holder``'s run is a run of ``label``.
+def verify_run(conn: Connection, label: str, holder: Holder) -> str:
+    """The key to address ``holder``'s stop request to; StopRefused if it is not ``label``'s.
+
+    The key is one the run honours: ``label`` when it is one key; for several, the run's
+    own label as the history has it (their order is the run's locking order), else the
+    first of them.
 
     WARNING: a session-mode holder's run id comes from the comment its client wrote, which
     any role that can connect can forge (a session holding its own key's lock and naming
     another team's run). The server's record of that run, its history row, must then be a
     run of ``label``. A run without a history row (--no-history) cannot be checked here:
-    the request carries ``label`` as its key, and a run honours only requests for its own
+    the request carries a key of ``label``, and a run honours only requests for its own
     keys, so a request for a run of another key stops nothing.
     """
+    parts = label.split(",")
     if holder.run_id is None:
-        return
+        return parts[0]
     try:
         row = conn.execute(sql.RUN_LABEL, (holder.run_id,)).fetchone()
     except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
@@ -106,12 +111,15 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> None:
         except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
             row = None
     recorded = None if row is None else row[0]
-    if recorded is not None and not set(label.split(",")) <= set(str(recorded).split(",")):
+    if recorded is None:
+        return parts[0]
+    if not set(parts) <= set(str(recorded).split(",")):
         raise StopRefused(
-            f"the session holding {shown(label)} names run {shown(holder.run_id)}, which the "
-            f"history records as a run of another key: not asked to stop (a session's own "
+            f"the holder of {shown(label)} names run {shown(holder.run_id)}, which the "
+            "history records as a run of another key: not asked to stop (a session's own "
             "comment is not trusted)"
         )
+    return label if len(parts) == 1 else str(recorded)
 
 
 @dataclass(frozen=True)
@@ -139,13 +147,15 @@ def _creating_tables(conn: Connection, write: Callable[[], T]) -> T:
         return write()
 
 
-def request_stop(conn: Connection, label: str, holder: Holder, reason: str | None) -> str:
+def request_stop(conn: Connection, key: str, holder: Holder, reason: str | None) -> str:
     """Write the stop request for ``holder``'s run (its heartbeat reads it): the role recorded.
+
+    ``key``: what verify_run addressed it to (a key of the run, or its label).
 
     A request already there (a repeat) is kept. One this role may not see was written for
     another key by another role: StopRefused, for the run would never read ours.
     """
-    params = {"run_id": holder.run_id, "key": label, "reason": reason, **who_asks()}
+    params = {"run_id": holder.run_id, "key": key, "reason": reason, **who_asks()}
     row = _claimed(conn, sql.STOP_REQUEST, sql.STOP_REQUEST_UNCLAIMED, params)
     if row is None:
         row = conn.execute(sql.STOP_REQUEST_OF, (holder.run_id,)).fetchone()

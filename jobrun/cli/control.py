@@ -78,8 +78,8 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        control.verify_run(conn, key_label, holder)
-        by = control.request_stop(conn, key_label, holder, reason)
+        addressed = control.verify_run(conn, key_label, holder)
+        by = control.request_stop(conn, addressed, holder, reason)
         click.echo(f"asked {who} to stop (as role {shown(by)})", err=True)
         result = control.wait_for_end(conn, key_label, holder, wait, force=force)
     if result.ended:
