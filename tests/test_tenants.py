@@ -198,6 +198,27 @@ class TestAttacksOfAnotherTeam:
         finally:
             _end(proc)
 
+    def test_a_squatted_stop_request_is_reported_not_waited_on(self, teams, tmp_path):
+        """team_b took team_a's run id under a b- key first: team_a's stop says so, exit 3."""
+        proc = _victim(teams, "session", tmp_path / "child")
+        try:
+            run_id = _running_run_id(teams.owner, "a-victim")
+            assert (
+                _sql(
+                    teams.b,
+                    "INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid) "
+                    "VALUES (%s, 'b-mine', 'h', 'root', 1)",
+                    (run_id,),
+                )
+                is None
+            )
+            stopped = jobrun_cli.run("stop", "a-victim", "--wait", "1s", dsn=teams.a)
+            assert stopped.returncode == 3, stopped.stderr
+            assert "in the way" in stopped.stderr
+            assert len(stopped.stderr.strip().splitlines()) == 1, stopped.stderr
+        finally:
+            _end(proc)
+
     def test_pause_of_team_a_key_is_refused(self, teams):
         """jobrun pause a-victim as team_b fails, and team_a's next run goes ahead."""
         paused = jobrun_cli.run("pause", "a-victim", dsn=teams.b)
