@@ -55,8 +55,10 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
 
     The run reads the request at its next heartbeat, stops its child (SIGTERM to the group,
     SIGKILL after its --kill-after), logs who asked and ends with outcome stopped (exit 77).
-    Exit status: 0 the run ended; 1 nothing held KEY; 3 it did not end within --wait
-    (with --force: its lock was then taken away).
+    Exit status: 0 the run ended; 1 nothing held KEY (that this role may see); 3 it did
+    not end within --wait (with --force: its lock was then taken away), or it was not
+    asked: its holder could not be shown, from the server's records, to be a run of KEY.
+    Recorded as who asked: this database role (session_user); $USER only as a claim.
     """
     from jobrun import control, keys
     from jobrun.printable import shown
