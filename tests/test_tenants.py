@@ -152,16 +152,33 @@ class TestAttacksOfAnotherTeam:
         assert forged == "42501"
         _ok(jobrun_cli.run("--key", "a-victim", "--mode", "lease", "--", "true", dsn=teams.a))
 
-    def test_jobrun_stop_of_team_a_lease_run_stops_nothing(self, teams, tmp_path):
-        """team_b cannot see team_a's lease: nothing to stop, and the run goes on."""
-        proc = _victim(teams, "lease", tmp_path / "child")
+    @pytest.mark.parametrize("mode", MODES)
+    def test_jobrun_stop_of_team_a_run_stops_nothing(self, teams, tmp_path, mode):
+        """team_b's stop --force of team_a's run: refused or not found; the run goes on.
+
+        Lease mode: the lease is invisible to team_b (nothing holds the key, exit 1).
+        Session mode: the run's id is hidden from another role, and terminating another
+        role's session needs pg_signal_backend (exit 69); where team_b sees every query,
+        its request is refused by row-level security (exit 69 too).
+        """
+        proc = _victim(teams, mode, tmp_path / "child")
         try:
-            stopped = jobrun_cli.run("stop", "a-victim", "--wait", "1s", dsn=teams.b)
-            assert stopped.returncode == 1, stopped.stderr
-            _alone(teams, "lease")
+            stopped = jobrun_cli.run("stop", "a-victim", "--wait", "1s", "--force", dsn=teams.b)
+            assert stopped.returncode == (1 if mode == "lease" else 69), stopped.stderr
+            _alone(teams, mode)
             assert proc.poll() is None
         finally:
             _end(proc)
+
+    def test_resume_of_team_a_pause_leaves_it_paused(self, teams):
+        """team_b's resume of team_a's paused key deletes nothing: team_a's runs still skip."""
+        _ok(jobrun_cli.run("pause", "a-victim", dsn=teams.a))
+        resumed = jobrun_cli.run("resume", "a-victim", dsn=teams.b)
+        _ok(resumed)
+        assert "was not paused" in resumed.stdout
+        skipped = jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a)
+        assert skipped.returncode == 75, skipped.stderr
+        assert event(skipped.stderr, "skipped")["reason"] == "paused"
 
     def test_stop_request_for_team_a_key_is_refused(self, teams, tmp_path):
         """An INSERT into stop_requests naming team_a's key fails (row-level security)."""
