@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from psycopg import errors
 
 from jobrun import sql
+from jobrun.escape import printable
+from jobrun.exitcodes import Exit, JobrunError
 from jobrun.history.calls import ensure_schema
 from jobrun.history.config import iso
 from jobrun.keys import LOCK_ID_PREFIX
@@ -35,8 +37,18 @@ T = TypeVar("T")
 STOP_POLL = 0.2
 
 
+class StopRefused(JobrunError):
+    """The run a key's holder names cannot be shown to be a run of that key: not asked."""
+
+    exit_code = Exit.NOT_ENDED
+
+
 def who_asks() -> dict[str, object]:
-    """The operator behind a request: host, user name, pid."""
+    """The operator behind a request: host, user name (a claim: $USER), pid.
+
+    Who asked, for the record, is the database role (session_user), which the statements
+    themselves write: the user name here is kept as ``claimed_user`` only.
+    """
     try:
         user = getpass.getuser()
     except (OSError, KeyError):  # no name for our uid (a container): the number will do
@@ -60,12 +72,54 @@ def holder_of(conn: Connection, label: str) -> Holder | None:
     except errors.UndefinedTable:
         row = None
     if row is not None:
-        owner, host, pid = row
+        owner, host, pid, key = row
+        if str(key) not in label.split(","):
+            raise StopRefused(
+                f"the lease on {printable(label)}'s lock names key {printable(key)}, not "
+                f"{printable(label)}: not asked to stop (jobrun init binds a lease to its key)"
+            )
         return Holder(key=label, mode="lease", host=str(host), pid=int(str(pid)), run_id=owner)
     found = conn.execute(sql.SESSION_HOLDER_OF_ANY, {"lock_ids": lock_ids}).fetchone()
     if found is not None:
         return dataclasses.replace(session_holder(label, found[1:]), mode="session")
     return None
+
+
+def verify_run(conn: Connection, label: str, holder: Holder) -> str:
+    """The key to address ``holder``'s stop request to; StopRefused if it is not ``label``'s.
+
+    The key is one the run honours: ``label`` when it is one key; for several, the run's
+    own label as the history has it (their order is the run's locking order), else the
+    first of them.
+
+    WARNING: a session-mode holder's run id comes from the comment its client wrote, which
+    any role that can connect can forge (a session holding its own key's lock and naming
+    another team's run). The server's record of that run, its history row, must then be a
+    run of ``label``. A run without a history row (--no-history) cannot be checked here:
+    the request carries a key of ``label``, and a run honours only requests for its own
+    keys, so a request for a run of another key stops nothing.
+    """
+    parts = label.split(",")
+    if holder.run_id is None:
+        return parts[0]
+    try:
+        row = conn.execute(sql.RUN_LABEL, (holder.run_id,)).fetchone()
+    except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        # Before jobrun init: the table, as this role sees it (no schema yet: no history).
+        try:
+            row = conn.execute(sql.RUN_LABEL_VISIBLE, (holder.run_id,)).fetchone()
+        except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+            row = None
+    recorded = None if row is None else row[0]
+    if recorded is None:
+        return parts[0]
+    if not set(parts) <= set(str(recorded).split(",")):
+        raise StopRefused(
+            f"the holder of {printable(label)} names run {printable(holder.run_id)}, which the "
+            "history records as a run of another key: not asked to stop (a session's own "
+            "comment is not trusted)"
+        )
+    return label if len(parts) == 1 else str(recorded)
 
 
 @dataclass(frozen=True)
@@ -93,11 +147,44 @@ def _creating_tables(conn: Connection, write: Callable[[], T]) -> T:
         return write()
 
 
-def request_stop(conn: Connection, label: str, holder: Holder, reason: str | None) -> None:
-    """Write the stop request for ``holder``'s run (its heartbeat reads it)."""
-    params = {"run_id": holder.run_id, "key": label, "reason": reason, **who_asks()}
-    _creating_tables(conn, lambda: conn.execute(sql.STOP_REQUEST, params))
+def request_stop(conn: Connection, key: str, holder: Holder, reason: str | None) -> str:
+    """Write the stop request for ``holder``'s run (its heartbeat reads it): the role recorded.
+
+    ``key``: what verify_run addressed it to (a key of the run, or its label).
+
+    A request already there (a repeat) is kept. One this role may not see was written for
+    another key by another role: StopRefused, for the run would never read ours.
+    """
+    params = {"run_id": holder.run_id, "key": key, "reason": reason, **who_asks()}
+    row = _claimed(conn, sql.STOP_REQUEST, sql.STOP_REQUEST_UNCLAIMED, params)
+    if row is None:
+        row = conn.execute(sql.STOP_REQUEST_OF, (holder.run_id,)).fetchone()
+        if row is None:
+            raise StopRefused(
+                f"another role's stop request for run {printable(holder.run_id)} is in the way "
+                "(it names a key this role may not see): not asked to stop"
+            )
     conn.execute(sql.STOP_REQUESTS_PRUNE)
+    return str(row[0])
+
+
+def _claimed(
+    conn: Connection, statement: str, unclaimed: str, params: dict[str, object]
+) -> tuple[Any, ...] | None:
+    """``statement``'s row, or ``unclaimed``'s where it must do without the claim.
+
+    That is an older version's table (no claimed_user column) that this role may not
+    bring up to date.
+    """
+    try:
+        return _creating_tables(conn, lambda: conn.execute(statement, params).fetchone())
+    except errors.UndefinedColumn:
+        pass
+    try:
+        ensure_schema(conn)
+    except errors.InsufficientPrivilege:
+        return conn.execute(unclaimed, params).fetchone()
+    return conn.execute(statement, params).fetchone()
 
 
 def wait_for_end(
@@ -147,12 +234,17 @@ def pause(
     seconds: float | None,
     until: dt.datetime | None,
     reason: str | None,
-) -> tuple[str | None, str | None]:
-    """Pause ``label`` (for ``seconds``, until ``until``, or until resumed): (since, until)."""
+) -> tuple[str | None, str | None, str | None]:
+    """Pause ``label`` (for ``seconds``, until ``until``, or until resumed).
+
+    (since, until, the database role recorded as who paused it).
+    """
     params = {"key": label, "reason": reason, "for": seconds, "until": until, **who_asks()}
-    statement = sql.PAUSE if until is None else sql.PAUSE_UNTIL
-    row = _creating_tables(conn, lambda: conn.execute(statement, params).fetchone())
-    return (iso(row[0]), iso(row[1])) if row else (None, None)
+    if until is None:
+        row = _claimed(conn, sql.PAUSE, sql.PAUSE_UNCLAIMED, params)
+    else:
+        row = _claimed(conn, sql.PAUSE_UNTIL, sql.PAUSE_UNTIL_UNCLAIMED, params)
+    return (iso(row[0]), iso(row[1]), str(row[2])) if row else (None, None, None)
 
 
 def resume(conn: Connection, label: str) -> bool:

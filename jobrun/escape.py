@@ -19,14 +19,14 @@ _BYTE_SURROGATES = range(0xDC80, 0xDD00)
 _LATIN1_END = 0xFF
 
 
-def printable(text: str) -> str:
+def printable(text: object) -> str:
     r"""``text`` on one line, with every unsafe character written visibly: ``\x1b``, ``\n``.
 
     For a table cell, a log field or a line of a report: tab, CR and newline are escaped
     too, so a value cannot break its column or forge a line of its own. Backslashes are
     left as they are, so ordinary text reads as written (``--json`` is the exact form).
     """
-    return _UNSAFE.sub(_visible, text)
+    return _UNSAFE.sub(_visible, text if isinstance(text, str) else str(text))
 
 
 def printable_lines(text: str) -> str:

@@ -67,6 +67,7 @@ HOLDER_FIELDS = {
     "client_addr",
     "application_name",
     "expires_at",
+    "role",
 }
 HISTORY_FIELDS = {
     "run_id",

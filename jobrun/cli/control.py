@@ -55,10 +55,13 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
 
     The run reads the request at its next heartbeat, stops its child (SIGTERM to the group,
     SIGKILL after its --kill-after), logs who asked and ends with outcome stopped (exit 77).
-    Exit status: 0 the run ended; 1 nothing held KEY; 3 it did not end within --wait
-    (with --force: its lock was then taken away).
+    Exit status: 0 the run ended; 1 nothing held KEY (that this role may see); 3 it did
+    not end within --wait (with --force: its lock was then taken away), or it was not
+    asked: its holder could not be shown, from the server's records, to be a run of KEY.
+    Recorded as who asked: this database role (session_user); $USER only as a claim.
     """
     from jobrun import control, keys
+    from jobrun.escape import printable
 
     keys.validate_label(key_label)
     with options.connected(
@@ -68,7 +71,9 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
             return int(Exit.ATTENTION)
-        who = f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})"
+        who = printable(
+            f"run {holder.run_id or '?'} on {holder.host or '?'} (pid {holder.pid or '?'})"
+        )
         if holder.run_id is None:
             # No run id to address a request to: not a jobrun run, or one whose statements
             # (where a run announces itself) this role may not see.
@@ -77,8 +82,9 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        control.request_stop(conn, key_label, holder, reason)
-        click.echo(f"asked {who} to stop", err=True)
+        addressed = control.verify_run(conn, key_label, holder)
+        by = control.request_stop(conn, addressed, holder, reason)
+        click.echo(f"asked {who} to stop (as role {printable(by)})", err=True)
         result = control.wait_for_end(conn, key_label, holder, wait, force=force)
     if result.ended:
         how = f": {result.outcome} (exit {result.exit_code})" if result.outcome else ""
@@ -128,6 +134,7 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     A run already going is not affected; paused skips never build a skip streak.
     """
     from jobrun import control, keys
+    from jobrun.escape import printable
 
     keys.validate_label(key_label)
     if for_ is not None and until is not None:
@@ -136,8 +143,11 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
     ) as conn:
-        since, ends = control.pause(conn, key_label, seconds=for_, until=until_at, reason=reason)
-    click.echo(f"paused {key_label} since {since} until {ends or 'resumed'}")
+        since, ends, by = control.pause(
+            conn, key_label, seconds=for_, until=until_at, reason=reason
+        )
+    role = printable(by or "?")
+    click.echo(f"paused {key_label} since {since} until {ends or 'resumed'} (by role {role})")
     return 0
 
 

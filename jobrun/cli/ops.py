@@ -218,7 +218,7 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     import sys
     import uuid
 
-    from jobrun import tail
+    from jobrun import tenants
     from jobrun.status import kept
 
     try:
@@ -233,7 +233,7 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
-        run = tail.read(conn, run_id)
+        run = tenants.read_output(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1

@@ -40,11 +40,26 @@ SUBCOMMANDS: dict[str, Lazy] = {
         "drill_command",
         "Rehearse the crash paths on your database: skip, kill -9, lock taken away.",
     ),
+    "grant": Lazy(
+        "jobrun.cli.tenants",
+        "grant_command",
+        "Let ROLE use the keys it is granted, and only those (needs jobrun init; as owner).",
+    ),
+    "grants": Lazy(
+        "jobrun.cli.tenants",
+        "grants_command",
+        "Who may do what: each role's grants (job, operator, reader) and their key patterns.",
+    ),
     "help": Lazy("jobrun.cli.tools", "help_command", "Show the help of jobrun, or of SUBCOMMAND."),
     "history": Lazy(
         "jobrun.cli.ops",
         "history_command",
         "Recent runs and skips of KEY: outcome, exit code, duration, deadlocks, host, start.",
+    ),
+    "init": Lazy(
+        "jobrun.cli.tenants",
+        "init_command",
+        "Protect jobrun's tables in a database shared by several teams (run once, as owner).",
     ),
     "key": Lazy(
         "jobrun.cli.tools",

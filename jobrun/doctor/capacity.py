@@ -49,8 +49,8 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
             Finding(
                 lease_needed,
                 "schema",
-                "jobrun schema exists but this role lacks USAGE on it: GRANT USAGE ON SCHEMA "
-                "jobrun TO <role>",
+                "jobrun schema exists but this role lacks USAGE on it: jobrun grant <role> "
+                "--keys PATTERN (after jobrun init), or GRANT USAGE ON SCHEMA jobrun TO <role>",
             )
         ]
     findings = [Finding(OK, "schema", "jobrun schema exists")]
@@ -90,7 +90,8 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
                 Finding(
                     severity,
                     name,
-                    f"exists; this role lacks {', '.join(missing)}: {purpose} will fail{note}",
+                    f"exists; this role lacks {', '.join(missing)}: {purpose} will fail{note}; "
+                    "fix: jobrun grant <role> --keys PATTERN (after jobrun init)",
                 )
             )
         else:

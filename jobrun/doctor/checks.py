@@ -20,6 +20,7 @@ from jobrun.doctor.server import (
     role,
     server,
 )
+from jobrun.doctor.tenancy import tenancy
 from jobrun.exitcodes import JobrunError
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]
         ("role", lambda: [role(conn)]),
         ("session defaults", lambda: session_defaults(conn, mode, defaults)),
         ("schema", lambda: schema(conn, mode, read_only=defaults.get(READ_ONLY) == "on")),
+        ("tenancy", lambda: tenancy(conn)),
         ("pooler", lambda: [pooler(conn, target, mode)]),
         ("idle timeouts", lambda: idle_timeouts(conn)),
         ("tcp keepalives", lambda: [keepalives(conn, mode)]),

@@ -7,7 +7,8 @@ from jobrun.sql.lease import LEASE_RENEW
 #: ``jobrun stop`` writes a row for the run it stops, by run id (a request never reaches the
 #: next run); that run's heartbeat reads it. ``jobrun pause`` writes one row per key label.
 #: ``--expect-every`` keeps one row per key label: how often a successful run is expected.
-#: Created with the run history (RUNS_SCHEMA), or by ``stop``/``pause`` themselves.
+#: Created with the run history (RUNS_SCHEMA), or by ``stop``/``pause`` themselves; tables
+#: of older versions get the operator's claimed user name (``claimed_user``) then.
 CONTROL_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS jobrun;
 CREATE TABLE IF NOT EXISTS jobrun.stop_requests (
@@ -17,7 +18,8 @@ CREATE TABLE IF NOT EXISTS jobrun.stop_requests (
     host         text NOT NULL,
     username     text NOT NULL,
     pid          integer NOT NULL,
-    reason       text
+    reason       text,
+    claimed_user text
 );
 CREATE TABLE IF NOT EXISTS jobrun.pauses (
     key       text PRIMARY KEY,
@@ -26,14 +28,17 @@ CREATE TABLE IF NOT EXISTS jobrun.pauses (
     host      text NOT NULL,
     username  text NOT NULL,
     pid       integer NOT NULL,
-    reason    text
+    reason    text,
+    claimed_user text
 );
 CREATE TABLE IF NOT EXISTS jobrun.expectations (
     key        text PRIMARY KEY,
     every      double precision NOT NULL,
     grace      double precision NOT NULL,
     updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
-)
+);
+ALTER TABLE jobrun.stop_requests ADD COLUMN IF NOT EXISTS claimed_user text;
+ALTER TABLE jobrun.pauses ADD COLUMN IF NOT EXISTS claimed_user text
 """
 
 #: The lock session's heartbeat (HELD_BY_US) and a stop request for this run, in one statement.
@@ -60,20 +65,39 @@ SELECT (SELECT count(*) FROM renewed),
 """  # noqa: S608 - composed of this package's constants only
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
+#: ``username`` is the database role (session_user: the server's word; after ``jobrun init``
+#: a trigger sets it whatever a client writes); ``claimed_user`` is $USER, a claim only.
+#: ``key``: the key (or label) that was asked for: the run honours requests for its own keys.
 STOP_REQUEST = """
-INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid, reason)
-VALUES (%(run_id)s, %(key)s, %(host)s, %(user)s, %(pid)s, %(reason)s)
+INSERT INTO jobrun.stop_requests (run_id, key, host, username, claimed_user, pid, reason)
+VALUES (%(run_id)s, %(key)s, %(host)s, session_user, %(user)s, %(pid)s, %(reason)s)
 ON CONFLICT (run_id) DO NOTHING
+RETURNING username
 """
+#: The same in a table of an older version (no claimed_user) that this role may not alter.
+STOP_REQUEST_UNCLAIMED = """
+INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid, reason)
+VALUES (%(run_id)s, %(key)s, %(host)s, session_user, %(pid)s, %(reason)s)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING username
+"""
+
+#: The request already written for this run (a repeat keeps the first), if this role sees it.
+STOP_REQUEST_OF = "SELECT username, key FROM jobrun.stop_requests WHERE run_id = %s::uuid"
+
+#: The label of a run, from the history: the owner's view (``jobrun init``'s run_label,
+#: which row-level security does not narrow), or, before init, the table itself.
+RUN_LABEL = "SELECT jobrun.run_label(%s::uuid)"
+RUN_LABEL_VISIBLE = "SELECT key FROM jobrun.runs WHERE run_id = %s::uuid"
 
 #: Stop requests whose run has ended (no lease or session of it can still read them).
 STOP_REQUESTS_PRUNE = """
 DELETE FROM jobrun.stop_requests WHERE requested_at < clock_timestamp() - interval '1 day'
 """
 
-#: ``jobrun stop``: the lease-mode holder of a key (owner = run id).
+#: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row.
 STOP_LEASE_HOLDER = """
-SELECT owner::text, host, pid FROM jobrun.leases
+SELECT owner::text, host, pid, key FROM jobrun.leases
 WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
 ORDER BY lock_id LIMIT 1
 """
@@ -99,23 +123,28 @@ STOP_DELETE_LEASE = "DELETE FROM jobrun.leases WHERE owner = %s::uuid"
 STOP_OUTCOME = "SELECT outcome, exit_code FROM jobrun.runs WHERE run_id = %s::uuid"
 
 #: ``jobrun pause``: (re)place the pause of a key.
-PAUSE = """
-INSERT INTO jobrun.pauses (key, until, host, username, pid, reason)
-VALUES (%(key)s, clock_timestamp() + make_interval(secs => %(for)s::float8), %(host)s,
-        %(user)s, %(pid)s, %(reason)s)
+#: ``username``: the database role, ``claimed_user``: $USER, as for STOP_REQUEST.
+_PAUSE = """
+INSERT INTO jobrun.pauses (key, until, host, username, {claim}pid, reason)
+VALUES (%(key)s, {until}, %(host)s, session_user, {claimed}%(pid)s, %(reason)s)
 ON CONFLICT (key) DO UPDATE
     SET paused_at = clock_timestamp(), until = excluded.until, host = excluded.host,
-        username = excluded.username, pid = excluded.pid, reason = excluded.reason
-RETURNING paused_at, until
+        username = excluded.username, {reclaim}pid = excluded.pid, reason = excluded.reason
+RETURNING paused_at, until, username
 """
-PAUSE_UNTIL = """
-INSERT INTO jobrun.pauses (key, until, host, username, pid, reason)
-VALUES (%(key)s, %(until)s::timestamptz, %(host)s, %(user)s, %(pid)s, %(reason)s)
-ON CONFLICT (key) DO UPDATE
-    SET paused_at = clock_timestamp(), until = excluded.until, host = excluded.host,
-        username = excluded.username, pid = excluded.pid, reason = excluded.reason
-RETURNING paused_at, until
-"""
+_FOR = "clock_timestamp() + make_interval(secs => %(for)s::float8)"
+_UNTIL = "%(until)s::timestamptz"
+_CLAIM = {
+    "claim": "claimed_user, ",
+    "claimed": "%(user)s, ",
+    "reclaim": "claimed_user = excluded.claimed_user, ",
+}
+_NO_CLAIM = {"claim": "", "claimed": "", "reclaim": ""}
+PAUSE = _PAUSE.format(until=_FOR, **_CLAIM)
+PAUSE_UNTIL = _PAUSE.format(until=_UNTIL, **_CLAIM)
+#: The same in a table of an older version (no claimed_user) that this role may not alter.
+PAUSE_UNCLAIMED = _PAUSE.format(until=_FOR, **_NO_CLAIM)
+PAUSE_UNTIL_UNCLAIMED = _PAUSE.format(until=_UNTIL, **_NO_CLAIM)
 
 #: ``jobrun resume``: end the pause of a key (the row it deleted, if any).
 RESUME = "DELETE FROM jobrun.pauses WHERE key = %s RETURNING paused_at, until"

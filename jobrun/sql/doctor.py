@@ -80,3 +80,34 @@ DOCTOR_IMMUNE_END = "RESET statement_timeout"
 DOCTOR_SESSION_DEFAULTS = """
 SELECT name, reset_val, unit FROM pg_settings WHERE name = ANY(%(names)s)
 """
+
+#: Tenancy: who this role is, whether ``jobrun init`` ran, which jobrun tables are shared
+#: with other roles without row-level security, which it owns (the owner is not bound by
+#: row-level security), and whether it may take fencing tokens.
+DOCTOR_TENANCY = """
+SELECT current_user, r.rolsuper, r.rolbypassrls,
+       to_regclass('jobrun.grants') IS NOT NULL,
+       coalesce((SELECT array_agg(c.relname::text ORDER BY c.relname)
+                 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                 WHERE n.nspname = 'jobrun' AND c.relname = ANY(%(tables)s)
+                   AND c.relkind IN ('r', 'p') AND NOT c.relrowsecurity
+                   AND EXISTS (SELECT 1 FROM aclexplode(c.relacl) AS a
+                               WHERE a.grantee <> c.relowner)), '{}'),
+       coalesce((SELECT array_agg(c.relname::text ORDER BY c.relname)
+                 FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                 WHERE n.nspname = 'jobrun' AND c.relname = ANY(%(tables)s)
+                   AND c.relkind IN ('r', 'p')
+                   AND pg_has_role(current_user, c.relowner, 'MEMBER')), '{}'),
+       to_regclass('jobrun.fence') IS NOT NULL
+           AND NOT has_sequence_privilege(to_regclass('jobrun.fence'), 'USAGE')
+           AND to_regclass('jobrun.runs') IS NOT NULL
+           AND has_table_privilege(to_regclass('jobrun.runs'), 'INSERT')
+FROM pg_roles AS r WHERE r.rolname = current_user
+"""
+
+#: The grants this role has, itself or through a role it is a member of (after init).
+DOCTOR_GRANTS = """
+SELECT g.kind, g.pattern FROM jobrun.grants AS g JOIN pg_roles AS r ON r.rolname = g.role
+WHERE pg_has_role(current_user, r.oid, 'MEMBER')
+ORDER BY g.kind, g.pattern
+"""

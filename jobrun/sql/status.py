@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-#: Every granted bigint advisory lock in this database, with whoever holds it.
+#: Every granted bigint advisory lock in this database, with whoever holds it: its database
+#: role (``usename``) is the server's word; everything else but the pid is the client's.
 STATUS_ADVISORY_LOCKS = """
 SELECT (l.classid::int8 << 32) | l.objid::int8 AS lock_id, l.pid,
-       host(a.client_addr) AS client_addr, a.application_name, a.backend_start, a.query
+       host(a.client_addr) AS client_addr, a.application_name, a.backend_start, a.query,
+       a.usename
 FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())

@@ -65,6 +65,9 @@ class KeyStatus:
     running_for: float | None = None
     #: ``--slots``: how many slots of the key are held now (0: none, or no slots).
     slots_in_use: int = 0
+    #: A session-mode holder's database role, as the server knows it (None: a lease, or
+    #: not held). Any role that may connect can take a key's advisory lock: this says who.
+    holder_role: str | None = None
 
     @property
     def stuck(self) -> bool:
@@ -95,7 +98,7 @@ class KeyStatus:
             "key": self.key,
             "lock_ids": self.lock_ids,
             "held": self.holder is not None,
-            "holder": None if self.holder is None else _holder_json(self.holder),
+            "holder": None if self.holder is None else _holder_json(self.holder, self.holder_role),
             "last_outcome": self.last_outcome,
             "last_exit_code": self.last_exit_code,
             "last_started_at": self.last_started_at,
@@ -117,9 +120,9 @@ class KeyStatus:
         }
 
 
-def _holder_json(holder: Holder) -> dict[str, object]:
+def _holder_json(holder: Holder, role: str | None) -> dict[str, object]:
     """The holder as ``status --json`` documents it (the key is the row's own)."""
-    return {name: value for name, value in vars(holder).items() if name != "key"}
+    return {**{name: value for name, value in vars(holder).items() if name != "key"}, "role": role}
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     unreadable: list[str] = []
     history = _history(conn, labels, notes, unreadable)
     leases = _leases(conn, notes, unreadable)
-    advisory = _advisory(conn)
+    advisory, roles = _advisory(conn)
     rows: dict[str, KeyStatus] = {}
     for label in labels or history:
         found = history.get(label)
@@ -177,8 +180,16 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
                 row.holder = holder
                 break
     _add_slots(rows.values(), {**advisory, **leases})
+    _add_roles(rows.values(), roles)
     ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
     return Report(keys=ordered, notes=notes, unreadable=unreadable)
+
+
+def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
+    """Each session-mode holder's database role, from its backend pid."""
+    for row in rows:
+        if row.holder is not None and row.holder.mode == "session":
+            row.holder_role = roles.get(row.holder.backend_pid or 0)
 
 
 def _add_slots(rows: Iterable[KeyStatus], held: dict[int, tuple[str | None, Holder]]) -> None:
@@ -322,11 +333,19 @@ def _leases(
     }
 
 
-def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
-    """Granted advisory locks by lock id; the label is known for jobrun sessions only."""
+def _advisory(
+    conn: Connection,
+) -> tuple[dict[int, tuple[str | None, Holder]], dict[int, str]]:
+    """Granted advisory locks by lock id, and each holding backend's database role.
+
+    The label is known for jobrun sessions only.
+    """
     held: dict[int, tuple[str | None, Holder]] = {}
+    roles: dict[int, str] = {}
     cursor = conn.cursor(row_factory=dict_row)
     for row in cursor.execute(sql.STATUS_ADVISORY_LOCKS).fetchall():
+        if row["usename"] is not None:
+            roles[row["pid"]] = str(row["usename"])
         lock_id: int = row["lock_id"]
         label = _label_from_app(lock_id, row["application_name"])
         announced = announcement(row["query"])
@@ -342,7 +361,7 @@ def _advisory(conn: Connection) -> dict[int, tuple[str | None, Holder]]:
             application_name=row["application_name"],
         )
         held.setdefault(lock_id, (label, holder))
-    return held
+    return held, roles
 
 
 def _label_from_app(lock_id: int, app_name: object) -> str | None:

@@ -42,7 +42,7 @@ def status_table(rows: Iterable[KeyStatus]) -> str:
             (
                 row.key,
                 (holder.mode or "-") if holder else "-",
-                _who(holder),
+                _who(holder) + (f" (role {printable(row.holder_role)})" if row.holder_role else ""),
                 (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
                 _when(holder.since) if holder else "-",
                 row.last_outcome or "-",

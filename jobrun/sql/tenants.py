@@ -1,0 +1,253 @@
+"""Statements of tenancy: ``jobrun init``'s protections, ``jobrun grant`` and ``grants``."""
+
+from __future__ import annotations
+
+from jobrun.sql.history import FENCE_SCHEMA, RUNS_SCHEMA, RUNS_TAIL_COLUMNS
+from jobrun.sql.lease import SCHEMA, SCHEMA_XACT_LOCK
+
+#: The roles ``jobrun init`` makes where it may: members may control (operator) or read
+#: (reader) every key of every database that was initialised.
+OPERATOR_ROLE = "jobrun_operator"
+READER_ROLE = "jobrun_reader"
+
+#: Every table row-level security guards, and the column that names each row's key(s).
+GUARDED_TABLES = ("runs", "leases", "stop_requests", "pauses", "expectations")
+
+#: jobrun.runs' columns a reader may select: all but the kept output (stdout/stderr tails).
+READER_RUN_COLUMNS = (
+    "run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at, "
+    "outcome, reason, exit_code, signal, duration, streak, streak_since, holder_ref, holder, "
+    "alerted_at, deadlocks"
+)
+
+#: Who may do what: one row per (role, kind, pattern). Written only by the owner (no
+#: privilege but SELECT is ever granted on it); read by every role's policies.
+GRANTS_TABLE = """
+CREATE TABLE IF NOT EXISTS jobrun.grants (
+    role       text NOT NULL,
+    kind       text NOT NULL CHECK (kind IN ('job', 'operator', 'reader')),
+    pattern    text NOT NULL,
+    key_like   text NOT NULL,
+    granted_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (role, kind, pattern)
+);
+ALTER TABLE jobrun.grants ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS everyone_reads ON jobrun.grants;
+CREATE POLICY everyone_reads ON jobrun.grants FOR SELECT USING (true);
+GRANT SELECT ON jobrun.grants TO PUBLIC;
+"""
+
+#: ``allowed(label, need)``: every key of ``label`` ("a,b" for a run of several keys)
+#: matches a grant of a role the current user is a member of, of a kind fit for ``need``
+#: (run: job; control and output: job or operator; read: any). SECURITY INVOKER: it sees
+#: what the caller sees. Joined to pg_roles, so a grant of a dropped role is simply no grant.
+#: ``lock_id(name)``: keys.lock_id_for in SQL (the first 8 bytes of SHA-256, signed).
+#: ``ids_fit(label, ids)``: every id is the lock id of a key of the label, of one of its
+#: slots (--slots), or the id a ``lock-id:N`` part names: a row can only ever claim its own
+#: key's locks. ``stamp_requester``: who asked is the database's word, never the client's.
+FUNCTIONS = """
+CREATE OR REPLACE FUNCTION jobrun.allowed(label text, need text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+SELECT coalesce(label, '') <> '' AND NOT EXISTS (
+    SELECT 1 FROM pg_catalog.unnest(pg_catalog.string_to_array(label, ',')) AS k (key)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM jobrun.grants AS g
+        JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role
+        WHERE k.key LIKE g.key_like
+          AND (need = 'read' OR g.kind = 'job' OR (need <> 'run' AND g.kind = 'operator'))
+          AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')))
+$$;
+CREATE OR REPLACE FUNCTION jobrun.lock_id(name text) RETURNS bigint
+LANGUAGE sql IMMUTABLE STRICT AS $$
+SELECT ('x' || pg_catalog.encode(pg_catalog.substr(
+            pg_catalog.sha256(pg_catalog.convert_to(name, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint
+$$;
+CREATE OR REPLACE FUNCTION jobrun.ids_fit(label text, ids bigint[]) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+SELECT NOT EXISTS (
+    SELECT 1 FROM pg_catalog.unnest(ids) AS i (id)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM pg_catalog.unnest(pg_catalog.string_to_array(label, ',')) AS k (key)
+        WHERE CASE WHEN k.key LIKE 'lock-id:%' THEN pg_catalog.substr(k.key, 9) = i.id::text
+                   ELSE jobrun.lock_id(k.key) = i.id
+                        OR EXISTS (SELECT 1 FROM pg_catalog.generate_series(0, 255) AS s (n)
+                                   WHERE jobrun.lock_id(k.key || E'\\nslot ' || s.n) = i.id)
+              END))
+$$;
+CREATE OR REPLACE FUNCTION jobrun.stamp_requester() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.username := session_user;
+    RETURN NEW;
+END
+$$;
+"""
+
+#: Row-level security on every jobrun table (ENABLE, not FORCE: the owner is trusted), one
+#: policy per command, and the triggers that stamp who asked. Idempotent.
+POLICIES = """
+ALTER TABLE jobrun.runs ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS tenant_select ON jobrun.runs;
+DROP POLICY IF EXISTS tenant_insert ON jobrun.runs;
+DROP POLICY IF EXISTS tenant_update ON jobrun.runs;
+DROP POLICY IF EXISTS tenant_delete ON jobrun.runs;
+CREATE POLICY tenant_select ON jobrun.runs FOR SELECT USING (jobrun.allowed(key, 'read'));
+CREATE POLICY tenant_insert ON jobrun.runs FOR INSERT
+    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, lock_ids));
+CREATE POLICY tenant_update ON jobrun.runs FOR UPDATE USING (jobrun.allowed(key, 'run'))
+    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, lock_ids));
+CREATE POLICY tenant_delete ON jobrun.runs FOR DELETE USING (jobrun.allowed(key, 'run'));
+
+ALTER TABLE jobrun.leases ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS tenant_select ON jobrun.leases;
+DROP POLICY IF EXISTS tenant_insert ON jobrun.leases;
+DROP POLICY IF EXISTS tenant_update ON jobrun.leases;
+DROP POLICY IF EXISTS tenant_delete ON jobrun.leases;
+CREATE POLICY tenant_select ON jobrun.leases FOR SELECT USING (jobrun.allowed(key, 'read'));
+CREATE POLICY tenant_insert ON jobrun.leases FOR INSERT
+    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, ARRAY[lock_id]));
+CREATE POLICY tenant_update ON jobrun.leases FOR UPDATE USING (jobrun.allowed(key, 'run'))
+    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, ARRAY[lock_id]));
+CREATE POLICY tenant_delete ON jobrun.leases FOR DELETE USING (jobrun.allowed(key, 'control'));
+
+ALTER TABLE jobrun.stop_requests ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS tenant_select ON jobrun.stop_requests;
+DROP POLICY IF EXISTS tenant_insert ON jobrun.stop_requests;
+DROP POLICY IF EXISTS tenant_delete ON jobrun.stop_requests;
+CREATE POLICY tenant_select ON jobrun.stop_requests FOR SELECT
+    USING (jobrun.allowed(key, 'read'));
+CREATE POLICY tenant_insert ON jobrun.stop_requests FOR INSERT
+    WITH CHECK (jobrun.allowed(key, 'control'));
+CREATE POLICY tenant_delete ON jobrun.stop_requests FOR DELETE
+    USING (jobrun.allowed(key, 'control'));
+DROP TRIGGER IF EXISTS stamp_requester ON jobrun.stop_requests;
+CREATE TRIGGER stamp_requester BEFORE INSERT OR UPDATE ON jobrun.stop_requests
+    FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester();
+
+ALTER TABLE jobrun.pauses ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS tenant_select ON jobrun.pauses;
+DROP POLICY IF EXISTS tenant_insert ON jobrun.pauses;
+DROP POLICY IF EXISTS tenant_update ON jobrun.pauses;
+DROP POLICY IF EXISTS tenant_delete ON jobrun.pauses;
+CREATE POLICY tenant_select ON jobrun.pauses FOR SELECT USING (jobrun.allowed(key, 'read'));
+CREATE POLICY tenant_insert ON jobrun.pauses FOR INSERT
+    WITH CHECK (jobrun.allowed(key, 'control'));
+CREATE POLICY tenant_update ON jobrun.pauses FOR UPDATE USING (jobrun.allowed(key, 'control'))
+    WITH CHECK (jobrun.allowed(key, 'control'));
+CREATE POLICY tenant_delete ON jobrun.pauses FOR DELETE USING (jobrun.allowed(key, 'control'));
+DROP TRIGGER IF EXISTS stamp_requester ON jobrun.pauses;
+CREATE TRIGGER stamp_requester BEFORE INSERT OR UPDATE ON jobrun.pauses
+    FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester();
+
+ALTER TABLE jobrun.expectations ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS tenant_select ON jobrun.expectations;
+DROP POLICY IF EXISTS tenant_insert ON jobrun.expectations;
+DROP POLICY IF EXISTS tenant_update ON jobrun.expectations;
+DROP POLICY IF EXISTS tenant_delete ON jobrun.expectations;
+CREATE POLICY tenant_select ON jobrun.expectations FOR SELECT
+    USING (jobrun.allowed(key, 'read'));
+CREATE POLICY tenant_insert ON jobrun.expectations FOR INSERT
+    WITH CHECK (jobrun.allowed(key, 'run'));
+CREATE POLICY tenant_update ON jobrun.expectations FOR UPDATE
+    USING (jobrun.allowed(key, 'run')) WITH CHECK (jobrun.allowed(key, 'run'));
+CREATE POLICY tenant_delete ON jobrun.expectations FOR DELETE
+    USING (jobrun.allowed(key, 'control'));
+"""
+
+#: ``run_label(run_id)``: the label of any run, whoever may see its row. SECURITY DEFINER
+#: (the owner's view), and it tells nothing but the label of a run id already known: what
+#: ``jobrun stop`` needs to check that the run a session names is a run of the key asked for.
+RUN_LABEL_FUNCTION = """
+CREATE OR REPLACE FUNCTION jobrun.run_label(run uuid) RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+SELECT key FROM jobrun.runs WHERE run_id = run
+$$;
+"""
+
+#: Everything ``jobrun init`` makes, as the owner, in one transaction (the schema lock
+#: first: a first run racing it waits). Composed of this package's constants only.
+INIT = "\n".join(
+    (
+        SCHEMA_XACT_LOCK + ";",
+        RUNS_SCHEMA.strip() + ";",
+        SCHEMA.strip(),
+        FENCE_SCHEMA.strip(),
+        RUNS_TAIL_COLUMNS.strip(),
+        GRANTS_TABLE.strip(),
+        FUNCTIONS.strip(),
+        RUN_LABEL_FUNCTION.strip(),
+        POLICIES.strip(),
+    )
+)
+
+#: Make the NOLOGIN role ``{role}`` unless it exists (another database's init, at once).
+MAKE_ROLE = """
+DO $$
+BEGIN
+    CREATE ROLE {role} NOLOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+END
+$$
+"""
+
+#: Whether this role may create roles, and which of jobrun's own roles exist.
+ROLE_FACTS = """
+SELECT r.rolsuper OR r.rolcreaterole,
+       EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %(operator)s),
+       EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %(reader)s)
+FROM pg_roles AS r WHERE r.rolname = current_user
+"""
+
+CURRENT_USER = "SELECT current_user"
+ROLE_EXISTS = "SELECT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = %s)"
+GRANTS_EXIST = "SELECT to_regclass('jobrun.grants') IS NOT NULL"
+KINDS_OF = "SELECT DISTINCT kind FROM jobrun.grants WHERE role = %s"
+
+#: ``jobrun grants``: who may do what (a role that no longer exists says so).
+GRANTS_LIST = """
+SELECT g.role, g.kind, g.pattern, g.granted_at, r.oid IS NOT NULL AS role_exists
+FROM jobrun.grants AS g LEFT JOIN pg_roles AS r ON r.rolname = g.role
+ORDER BY g.role, g.kind, g.pattern
+"""
+
+#: ``jobrun grant``'s statements; ``{role}`` an identifier, the rest bound values.
+GRANT_ROW = """
+INSERT INTO jobrun.grants (role, kind, pattern, key_like)
+VALUES ({role_literal}, {kind}, {pattern}, {key_like})
+ON CONFLICT (role, kind, pattern) DO NOTHING
+"""
+GRANT_SCHEMA = "GRANT USAGE ON SCHEMA jobrun TO {role}"
+#: What each kind of grant needs besides its rows (row-level security narrows it to keys).
+GRANT_JOB = (
+    (
+        "GRANT SELECT, INSERT, UPDATE, DELETE "
+        "ON jobrun.runs, jobrun.leases, jobrun.pauses, jobrun.expectations TO {role}"
+    ),
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.stop_requests TO {role}",
+    "GRANT USAGE ON SEQUENCE jobrun.fence TO {role}",
+)
+GRANT_OPERATOR = (
+    "GRANT SELECT ON jobrun.runs, jobrun.expectations TO {role}",
+    "GRANT SELECT, DELETE ON jobrun.leases TO {role}",
+    "GRANT SELECT, INSERT, DELETE ON jobrun.stop_requests TO {role}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.pauses TO {role}",
+)
+GRANT_READER = (
+    f"GRANT SELECT ({READER_RUN_COLUMNS}) ON jobrun.runs TO {{role}}",
+    (
+        "GRANT SELECT ON jobrun.leases, jobrun.pauses, jobrun.expectations, "
+        "jobrun.stop_requests TO {role}"
+    ),
+)
+#: ``jobrun grant ROLE --revoke``: every privilege and every row of ROLE.
+REVOKE_ALL = (
+    (
+        "REVOKE ALL ON jobrun.runs, jobrun.leases, jobrun.stop_requests, jobrun.pauses, "
+        "jobrun.expectations FROM {role}"
+    ),
+    "REVOKE ALL ON SEQUENCE jobrun.fence FROM {role}",
+    "REVOKE ALL ON SCHEMA jobrun FROM {role}",
+    "DELETE FROM jobrun.grants WHERE role = {role_literal}",
+)
+#: ``jobrun grant ROLE --revoke --keys PATTERN``: that pattern's rows only.
+REVOKE_PATTERN = "DELETE FROM jobrun.grants WHERE role = {role_literal} AND pattern = {pattern}"
