@@ -1,0 +1,134 @@
+"""What counts as a secret of a run, and masking it out of what jobrun stores, sends or prints."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+from urllib.parse import quote, quote_plus, unquote
+
+from jobrun.log import mask_secrets
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+#: jobrun's own variables that can carry a secret: the connection string (its password),
+#: the ping URL (a credential itself: whoever has it can ping the check) and the alert
+#: command (often a webhook URL with its token). The child and the hook never get them,
+#: unless ``--pass-env`` names them.
+WITHHELD = ("JOBRUN_DSN", "JOBRUN_PING", "JOBRUN_ON_ALERT")
+#: The variables jobrun sets for the child. An inherited value (from a jobrun further up,
+#: or a stale export) is removed first: the child sees only what this run set.
+SET_FOR_CHILD = ("JOBRUN_KEY", "JOBRUN_LOCK_ID", "JOBRUN_RUN_ID", "JOBRUN_FENCE", "JOBRUN_SLOT")
+
+#: A variable named like this holds a secret (case-insensitive): its value is masked in
+#: kept output, ping bodies and the alert hook's event.
+_HIDDEN_NAME = r"(?i)PASSWORD|PASSWD|PASSPHRASE|SECRET|TOKEN|CREDENTIAL|_KEY$"
+#: ... unless it names where a secret is kept rather than the secret (``AWS_..._FILE``), or
+#: is jobrun's own (``JOBRUN_KEY`` is a key name; the DSN and ping URL are read apart).
+_PLAIN_NAME = r"(?i)^JOBRUN_|_(?:FILE|PATH|DIR)$"
+#: A value guessed to be secret from its variable's name is masked only from this length:
+#: ``TOKEN_ENABLED=1`` or ``USE_SECRETS=yes`` would otherwise mask every ``1`` and ``yes``.
+#: Variables named with ``--mask-env`` are masked whatever their length.
+MIN_GUESSED = 6
+
+# The userinfo of a URI of any scheme (``postgresql+psycopg://``, ``https://``): the
+# password runs to the *last* ``@`` of the word, whatever it holds (``/``, ``@``, ``:``,
+# ``%xx``, non-ASCII). Masking a little too much beats showing a piece of a password.
+_MASK_URI = r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/?#@]*:)\S*@"
+_MASK_KEYWORD = r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)"
+
+
+def passed_on(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> dict[str, str]:
+    """``environ`` without jobrun's secret-bearing variables, but for those in ``pass_env``."""
+    kept = set(pass_env)
+    return {name: value for name, value in environ.items() if name not in WITHHELD or name in kept}
+
+
+def forms(secret: str) -> tuple[str, ...]:
+    """A secret as a program may print it: as is, and URL-encoded (``%2F``, ``+``)."""
+    if not secret:
+        return ()
+    return tuple(dict.fromkeys((secret, quote(secret, safe=""), quote(secret), quote_plus(secret))))
+
+
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The secret parts of an http(s) URL: the URL itself, its password and its path.
+
+    The path counts: a Healthchecks URL's check key is in it.
+    """
+    if not url:
+        return ()
+    rest = url.split("://", 1)[-1]
+    authority, _, path = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    found = [url, rest]
+    if at and ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        found += [*forms(password), *forms(unquote(password))]
+    path = path.split("?", 1)[0].strip("/")
+    if path:
+        found += [f"{host}/{path}", path]
+    return tuple(found)
+
+
+def named_secrets(
+    environ: Mapping[str, str], mask_env: Iterable[str] = (), *, guess: bool = True
+) -> tuple[str, ...]:
+    """Values of the variables in ``mask_env``, and (``guess``) of those named like secrets."""
+    named = set(mask_env)
+    found: list[str] = []
+    for name, value in environ.items():
+        if name in named:
+            found += forms(value)
+        elif (
+            guess
+            and len(value) >= MIN_GUESSED
+            and re.search(_HIDDEN_NAME, name)
+            and not re.search(_PLAIN_NAME, name)
+        ):
+            found += forms(value)
+            # A key file's text (PEM) may be printed a line at a time.
+            found += [line for line in value.splitlines() if len(line) >= MIN_GUESSED]
+    return tuple(found)
+
+
+def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``."""
+    text = re.sub(_MASK_URI, r"\1***@", text)
+    text = re.sub(_MASK_KEYWORD, r"\1***", text)
+    return mask_secrets(text, secrets)
+
+
+class Masker:
+    """Masks one run's secrets out of text and bytes (kept output, pings, the alert hook)."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self.secrets = tuple(dict.fromkeys(secret for secret in secrets if secret))
+
+    def text(self, text: str) -> str:
+        """``text`` masked (see mask_text)."""
+        return mask_text(text, self.secrets)
+
+    def data(self, data: bytes, *, cut: bool = False) -> bytes:
+        """Bytes masked as text; ``cut``: they are the end of a longer stream.
+
+        Bytes that are not UTF-8 pass through unchanged (surrogateescape both ways). A
+        stream cut short may begin inside a secret: a start that is the end of a secret
+        is masked too, so its second half never shows.
+        """
+        if not data:
+            return data
+        text = self.text(data.decode("utf-8", "surrogateescape"))
+        if cut:
+            text = self._mask_leading_part(text)
+        return text.encode("utf-8", "surrogateescape")
+
+    def _mask_leading_part(self, text: str) -> str:
+        longest = 0
+        for secret in self.secrets:
+            for start in range(1, len(secret)):
+                tail = secret[start:]
+                if len(tail) > longest and text.startswith(tail):
+                    longest = len(tail)
+                    break
+        return "***" + text[longest:] if longest else text
