@@ -51,10 +51,14 @@ def forms(secret: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((secret, quote(secret, safe=""), quote(secret), quote_plus(secret))))
 
 
+#: A segment of a ping URL's path this long is a key (a UUID, a Healthchecks ping key).
+_PATH_KEY = 16
+
+
 def url_secrets(url: str | None) -> tuple[str, ...]:
     """The secret parts of an http(s) URL: the URL itself, its password and its path.
 
-    The path counts: a Healthchecks URL's check key is in it.
+    The path counts: a Healthchecks URL's check key is in it, and is masked on its own too.
     """
     if not url:
         return ()
@@ -68,6 +72,8 @@ def url_secrets(url: str | None) -> tuple[str, ...]:
     path = path.split("?", 1)[0].strip("/")
     if path:
         found += [f"{host}/{path}", path]
+        # A check key or UUID on its own (a slug such as "nightly" is not a secret).
+        found += [part for part in path.split("/") if len(part) >= _PATH_KEY]
     return tuple(found)
 
 
