@@ -512,6 +512,4 @@ class TestUriForms:
     def test_an_unknown_password_in_a_uri_of_any_scheme_is_masked(self):
         """Text quoting a URI jobrun was not given: its password is masked to the last '@'."""
         text = "see https://u:a/b@c:d%41é@host/x and postgresql+psycopg://:p@w@h/db"
-        assert db.redact(text) == (
-            "see https://u:***@host/x and postgresql+psycopg://:***@h/db"
-        )
+        assert db.redact(text) == "see https://u:***@host/x and postgresql+psycopg://:***@h/db"
