@@ -6,8 +6,6 @@ import re
 from typing import TYPE_CHECKING
 from urllib.parse import quote, quote_plus, unquote
 
-from jobrun.log import mask_secrets
-
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
@@ -36,6 +34,41 @@ MIN_GUESSED = 6
 # ``%xx``, non-ASCII). Masking a little too much beats showing a piece of a password.
 _MASK_URI = r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/?#@]*:)\S*@"
 _MASK_KEYWORD = r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)"
+
+
+#: A secret shorter than this is masked only where it is plainly a value (quoted, after
+#: ``=``); a longer one also where it stands alone between spaces or punctuation.
+_SHORT_SECRET = 4
+#: A secret this long is masked wherever it occurs, even glued to other text (a hook that
+#: prints it inside a word): no word of a log line contains it by chance.
+_LONG_SECRET = 8
+_BEFORE = "\\s\"'=:@/(<\\["
+_AFTER = "\\s\"'@/),;:>\\]"
+
+
+def mask_secrets(text: str, secrets: Iterable[str]) -> str:
+    """Mask each secret where it occurs as a value in ``text``, not inside other words.
+
+    A password ``e`` must not turn ``started`` into ``start***d``, nor ``test`` rewrite a
+    key named ``test-export``: a secret of 4 to 7 characters is masked only when nothing
+    but a delimiter (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it, a
+    shorter one only when quoted or after ``=``; one of 8 or more wherever it occurs.
+    """
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        if text == secret:
+            return "***"
+        if secret not in text:
+            continue
+        if len(secret) >= _LONG_SECRET:
+            text = text.replace(secret, "***")
+            continue
+        escaped = re.escape(secret)
+        if len(secret) < _SHORT_SECRET:
+            pattern = rf"(?:(?<=[\"'])|(?<==)){escaped}(?=[\"'@\s]|$)"
+        else:
+            pattern = rf"(?:(?<=[{_BEFORE}])|^){escaped}(?=[{_AFTER}]|$)"
+        text = re.sub(pattern, "***", text)
+    return text
 
 
 def passed_on(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> dict[str, str]:
@@ -100,8 +133,10 @@ def named_secrets(
 
 def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``."""
-    text = re.sub(_MASK_URI, r"\1***@", text)
-    text = re.sub(_MASK_KEYWORD, r"\1***", text)
+    if "://" in text:
+        text = re.sub(_MASK_URI, r"\1***@", text)
+    if "=" in text:
+        text = re.sub(_MASK_KEYWORD, r"\1***", text)
     return mask_secrets(text, secrets)
 
 

@@ -137,10 +137,10 @@ class TestMaskingProperties:
     @given(secret=SECRET)
     def test_a_secret_standing_as_a_value_is_masked(self, secret):
         """Quoted (as libpq quotes values), or a whole field: the secret is masked."""
-        masked = log.mask_secrets(f'bad value "{secret}" for option', [secret])
+        masked = masking.mask_secrets(f'bad value "{secret}" for option', [secret])
         assert f'"{secret}"' not in masked
         assert "***" in masked
-        assert log.mask_secrets(secret, [secret]) == "***"
+        assert masking.mask_secrets(secret, [secret]) == "***"
 
     @given(secret=st.text(alphabet="abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=3))
     def test_short_secrets_leave_words_alone(self, secret):
@@ -148,12 +148,12 @@ class TestMaskingProperties:
         words = ["started", "finished", "error", "warning", "skipped", "lockstore_unavailable"]
         for word in words:
             if word != secret:
-                assert log.mask_secrets(word, [secret]) == word
-                assert log.mask_secrets(f"the {word} line", [secret]) == f"the {word} line"
+                assert masking.mask_secrets(word, [secret]) == word
+                assert masking.mask_secrets(f"the {word} line", [secret]) == f"the {word} line"
 
     def test_json_line_round_trips(self):
         """A masked line is still one JSON object."""
-        text = log.mask_secrets('{"a": "hunter2"}', ["hunter2"])
+        text = masking.mask_secrets('{"a": "hunter2"}', ["hunter2"])
         assert json.loads(text) == {"a": "***"}
 
 
@@ -513,3 +513,9 @@ class TestUriForms:
         """Text quoting a URI jobrun was not given: its password is masked to the last '@'."""
         text = "see https://u:a/b@c:d%41é@host/x and postgresql+psycopg://:p@w@h/db"
         assert db.redact(text) == "see https://u:***@host/x and postgresql+psycopg://:***@h/db"
+
+    def test_a_uri_password_in_any_log_field_is_masked(self):
+        """An event field quoting a URI (a library warning, a hook's stderr): masked."""
+        redact = log.redactor([])
+        event = {"event": "library_warning", "message": "at postgresql://u:a/b@c@h/db: gone"}
+        assert redact(None, "warning", event)["message"] == "at postgresql://u:***@h/db: gone"

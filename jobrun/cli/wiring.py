@@ -46,10 +46,13 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             fd = log.open_log_file(settings.log_file)
         except UsageError as exc:
             log_file_error = str(exc)
-    named = masking.named_secrets(os.environ, settings.mask_env)
     # What kept output, pings and the alert hook never carry: the DSN's password and
     # PGPASSWORD, the ping URL's credentials, variables named like secrets or --mask-env.
-    hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named)
+    # Only runs that keep output or run a hook look through the environment for them.
+    hidden = target.secrets
+    if settings.keep_output or settings.on_alert:
+        named = masking.named_secrets(os.environ, settings.mask_env)
+        hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named)
     logger = log.configure(
         fmt=settings.log_format,
         level=settings.log_level,
