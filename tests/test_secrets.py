@@ -324,6 +324,16 @@ class TestKeptOutput:
         _, err = kept(dsn, ran.stderr)
         assert err == b"using ***\n"
 
+    def test_a_name_that_cannot_be_a_variable_is_a_usage_error(self, key, tmp_path):
+        """--mask-env 'A B': exit 64, the child never started."""
+        marker = tmp_path / "ran"
+        ran = jobrun_cli.run(
+            "--key", key, "--mask-env", "A B", "--", "touch", str(marker), dsn=UNREACHABLE
+        )
+        assert ran.returncode == 64
+        assert "not an environment variable name" in ran.stderr
+        assert not marker.exists()
+
     def test_the_environment_the_child_prints_is_masked(self, dsn, key):
         """A child that dumps its environment: no secret of it survives in the kept stdout."""
         ran = jobrun_cli.run(
@@ -483,6 +493,20 @@ class TestAlertHook:
         assert "JOBRUN_ON_ALERT" not in called["env"]
         assert DSN_PASSWORD not in called["stdin"]
         assert API_TOKEN not in json.dumps(event)
+
+    def test_a_failing_hooks_stderr_is_masked_in_the_log(self, dsn, key):
+        """The hook prints --mask-env's variable and fails: alert_failed shows ***."""
+        app = "host=db.internal user=app"
+        hook = shlex.join([sys.executable, "-c", "import os, sys; sys.exit(os.environ['APP'])"])
+        ran = jobrun_cli.run(
+            *("--key", key, "--alert-after", "1", "--on-alert", hook, "--mask-env", "APP"),
+            *("--", "false"),
+            dsn=dsn,
+            env={"APP": app},
+        )
+        (failed,) = [line for line in every_line(ran.stderr) if line["event"] == "alert_failed"]
+        assert failed["stderr"] == "***"
+        assert app not in ran.stderr
 
 
 class TestUriForms:
