@@ -70,11 +70,19 @@ def deliver(
 
     The hook gets its own session (so a timeout kills everything it started), stdout
     discarded (jobrun's stderr carries event lines only) and stderr captured for the log,
-    with ``secrets`` (the DSN's password), ``PGPASSWORD`` and passwords in DSNs masked.
+    with ``secrets`` (the DSN's password, the run's other secrets), ``PGPASSWORD`` and
+    passwords in URIs masked; the event on its stdin and in its variables is masked alike.
     """
     name = str(event.get("event"))
-    payload = (json.dumps(event, default=str, ensure_ascii=True) + "\n").encode()
     base = os.environ if environ is None else environ
+    hidden = (*secrets, base.get("PGPASSWORD", ""))
+    # WARNING: the hook's stdin and variables are read by whoever runs the hook (a pager,
+    # a chat webhook): the event's text (the output tails above all) is masked first.
+    event = {
+        field: value if field == "event" else _masked(value, hidden)
+        for field, value in event.items()
+    }
+    payload = (json.dumps(event, default=str, ensure_ascii=True) + "\n").encode()
     env = environment(event, base)
     started = time.monotonic()
     try:
@@ -113,7 +121,6 @@ def deliver(
     if proc.returncode != 0:
         # WARNING: the hook has our environment (PGPASSWORD included) and may print it. Mask
         # before cutting the tail, or a secret cut in two would show its second half.
-        hidden = (*secrets, base.get("PGPASSWORD", ""))
         text = db.redact(stderr.decode("utf-8", "replace"), hidden)
         log.warning(
             "alert_failed",
@@ -127,6 +134,15 @@ def deliver(
         return False
     log.info("alert_sent", alert=name, command=argv[0], duration=duration)
     return True
+
+
+def _masked(value: object, secrets: tuple[str, ...]) -> object:
+    """A field of the event with its text masked (lists item by item)."""
+    if isinstance(value, str):
+        return db.redact(value, secrets)
+    if isinstance(value, (list, tuple)):
+        return [_masked(item, secrets) for item in value]
+    return value
 
 
 def _unblock_signals() -> None:

@@ -21,7 +21,8 @@ from psycopg.adapt import AdaptersMap, Dumper
 
 from jobrun import sql
 from jobrun.exitcodes import TLS, LockStoreUnavailable, UsageError
-from jobrun.log import mask_secrets, safe_text
+from jobrun.log import safe_text
+from jobrun.masking import forms, mask_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -52,16 +53,16 @@ UNREACHABLE = "unreachable"
 REFUSED = "refused"
 
 _URI_PREFIXES = ("postgresql://", "postgres://")
+#: Any URI's scheme (``postgresql+psycopg``, ``jdbc:postgresql``): safe to name in an error.
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*(?::[A-Za-z][A-Za-z0-9+.-]*)*(?=://)"
+#: libpq's hosts of a URI: ``host[:port]`` (IPv6 in brackets), comma-separated.
+_URI_HOSTS = r"(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?(?:,(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?)*"
 # The patterns below are used on error paths only: plain strings, compiled (and cached by
 # ``re``) the first time they are needed, not at every start of a run.
 #: The position PostgreSQL adds under a statement's error ("LINE 4: FROM jobrun.runs", then a
 #: line with a caret): jobrun's own SQL, which tells a user nothing.
 _ERROR_POSITION = r"\nLINE \d+: [^\n]*\n[ \t]*\^[^\n]*"
-# The userinfo of a URI ends at the *last* "@" before the host: a raw "@" in a password must
-# not leave its tail in the clear.
-_MASK_URI = r"(\bpostgres(?:ql)?://[^:/@\s]*:)[^\s/]*@"
 _QUOTED = r'"[^"]*"'
-_MASK_KEYWORD = r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)"
 
 # libpq (or psycopg) rejected a value in the connection string itself: a usage error.
 _BAD_OPTION = (
@@ -113,9 +114,7 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
     Known secrets are masked where they stand as a value (quoted, after ``=`` or ``:``,
     before ``@``), never inside other words: a one-letter password must not garble text.
     """
-    text = re.sub(_MASK_URI, r"\1***@", text)
-    text = re.sub(_MASK_KEYWORD, r"\1***", text)
-    return mask_secrets(text, secrets)
+    return mask_text(text, secrets)
 
 
 def application_name(label: str) -> str:
@@ -147,9 +146,10 @@ class Target:
     @property
     def secrets(self) -> tuple[str, ...]:
         """The DSN's password (and PGPASSWORD), in every form an error may quote: never shown."""
-        found = [str(parse_dsn(self.dsn).get("password") or ""), *_uri_passwords(self.dsn)]
-        found.append(os.environ.get("PGPASSWORD", ""))
-        return tuple(dict.fromkeys(secret for secret in found if secret))
+        passwords = [str(parse_dsn(self.dsn).get("password") or ""), *_uri_passwords(self.dsn)]
+        passwords.append(os.environ.get("PGPASSWORD", ""))
+        # Also URL-encoded: a job that builds its own URI from them prints them that way.
+        return tuple(dict.fromkeys(form for secret in passwords for form in forms(secret)))
 
     @property
     def has_password(self) -> bool:
@@ -158,16 +158,21 @@ class Target:
 
 
 def _uri_passwords(dsn: str) -> list[str]:
-    """The password of a URI as typed (and each piece of it around a raw ``@``)."""
-    if not dsn.startswith(_URI_PREFIXES):
+    """The password of a URI as typed (and each piece of it around a raw ``@``).
+
+    Any scheme: a driver-qualified ``postgresql+psycopg://`` is refused, but its password
+    must not show in the meantime. The userinfo ends where libpq ends it, at the last
+    ``@`` before the first ``/``.
+    """
+    if re.match(_SCHEME, dsn) is None:
         return []
-    authority = re.split(r"[/?]", dsn.split("://", 1)[1], maxsplit=1)[0]
+    authority = dsn.split("://", 1)[1].split("/", 1)[0]
     userinfo, at, _ = authority.rpartition("@")
     if not at or ":" not in userinfo:
         return []
     raw = userinfo.split(":", 1)[1]
     pieces = [raw, unquote(raw), *raw.split("@")]
-    return [piece for piece in pieces if piece]
+    return [piece for piece in dict.fromkeys(pieces) if piece]
 
 
 def parse_dsn(dsn: str) -> dict[str, Any]:
@@ -177,6 +182,7 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
             "--dsn/JOBRUN_DSN contains bytes that are not UTF-8 (check the locale or the file "
             "it came from)"
         )
+    _check_uri(dsn)
     try:
         params = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
@@ -190,6 +196,41 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
             "the user name or password must be written %40"
         )
     return params
+
+
+def _check_uri(dsn: str) -> None:
+    """UsageError for a URI libpq would misread or not take; the message shows no part of it.
+
+    Driver-qualified URIs (SQLAlchemy's ``postgresql+psycopg://``, JDBC's
+    ``jdbc:postgresql://``) are refused rather than rewritten: their query parameters are
+    the driver's, not libpq's, and a guess could connect somewhere else than meant.
+    """
+    scheme = re.match(_SCHEME, dsn)
+    if scheme is None:
+        return
+    if not dsn.startswith(_URI_PREFIXES):
+        name = scheme.group(0)
+        if "postgres" not in name.lower():
+            raise UsageError(
+                f"--dsn/JOBRUN_DSN: a {name}:// URI is not a PostgreSQL connection string "
+                "(postgresql://... or host=... dbname=...)"
+            )
+        raise UsageError(
+            f"--dsn/JOBRUN_DSN: {name}:// is a driver's URL, not libpq's: write it "
+            "postgresql://... (as psql takes it), without the driver's query parameters"
+        )
+    rest = dsn.split("://", 1)[1]
+    hosts, slash, path = rest.partition("/")
+    if "@" in hosts or not slash:
+        return
+    database = path.split("?", 1)[0]
+    if "@" in database or ("@" in path and re.fullmatch(_URI_HOSTS, hosts) is None):
+        # libpq ends the user name and password at the first "/": it would take the
+        # password for a port and the rest for the database name, and show them.
+        raise UsageError(
+            "--dsn/JOBRUN_DSN: the URI has an '@' after a '/': a '/' inside the user name "
+            "or password must be written %2F (and an '@' in a database name %40)"
+        )
 
 
 def _quoted_fragment(quoted: str, dsn: str) -> str:

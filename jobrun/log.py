@@ -5,13 +5,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any, TextIO
 
 import structlog
 
 from jobrun.exitcodes import UsageError
+from jobrun.masking import mask_text
 
 FORMATS = ("auto", "json", "logfmt", "console")
 LEVELS = ("debug", "info", "warning", "error")
@@ -119,54 +119,22 @@ def safe_text(text: str) -> str:
     return text
 
 
-#: A secret shorter than this is masked only where it is plainly a value (quoted, after
-#: ``=``); a longer one also where it stands alone between spaces or punctuation.
-_SHORT_SECRET = 4
-#: A secret this long is masked wherever it occurs, even glued to other text (a hook that
-#: prints it inside a word): no word of a log line contains it by chance.
-_LONG_SECRET = 8
-_BEFORE = "\\s\"'=:@/(<\\["
-_AFTER = "\\s\"'@/),;:>\\]"
-
-
-def mask_secrets(text: str, secrets: Iterable[str]) -> str:
-    """Mask each secret where it occurs as a value in ``text``, not inside other words.
-
-    A password ``e`` must not turn ``started`` into ``start***d``, nor ``test`` rewrite a
-    key named ``test-export``: a secret of 4 to 7 characters is masked only when nothing
-    but a delimiter (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it, a
-    shorter one only when quoted or after ``=``; one of 8 or more wherever it occurs.
-    """
-    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
-        if text == secret:
-            return "***"
-        if secret not in text:
-            continue
-        if len(secret) >= _LONG_SECRET:
-            text = text.replace(secret, "***")
-            continue
-        escaped = re.escape(secret)
-        if len(secret) < _SHORT_SECRET:
-            pattern = rf"(?:(?<=[\"'])|(?<==)){escaped}(?=[\"'@\s]|$)"
-        else:
-            pattern = rf"(?:(?<=[{_BEFORE}])|^){escaped}(?=[{_AFTER}]|$)"
-        text = re.sub(pattern, "***", text)
-    return text
-
-
 #: Fields that name the event itself: never rewritten (alerting greps them).
 _FIXED_FIELDS = frozenset({"timestamp", "level", "event"})
 
 
 def redactor(secrets: Iterable[str]) -> Processor:
-    """A processor that masks ``secrets`` where they occur as values: the last guard."""
+    """A processor that masks ``secrets`` where they occur as values: the last guard.
+
+    Also the password of any URI and any ``password=`` value in a field, whoever wrote it
+    there (a library's warning, a hook's stderr).
+    """
     masked = tuple(secret for secret in secrets if secret)
 
     def redact(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if masked:
-            for name, value in event_dict.items():
-                if isinstance(value, str) and name not in _FIXED_FIELDS:
-                    event_dict[name] = mask_secrets(value, masked)
+        for name, value in event_dict.items():
+            if isinstance(value, str) and name not in _FIXED_FIELDS:
+                event_dict[name] = mask_text(value, masked)
         return event_dict
 
     return redact

@@ -85,6 +85,7 @@ class Extras:
         identity: Identity,
         recorder: Recorder | NoHistory,
         log: FilteringBoundLogger,
+        hidden: tuple[str, ...] = (),
     ) -> None:
         self._options = options
         self._target = target
@@ -101,8 +102,10 @@ class Extras:
             )
         if options.keep_output:
             from jobrun import tail  # noqa: PLC0415 - only with --keep-output
+            from jobrun.masking import Masker  # noqa: PLC0415
 
-            self.capture = tail.Capture(options.keep_output)
+            # Masked as kept: the tails go to the history, the end ping and the hook.
+            self.capture = tail.Capture(options.keep_output, masker=Masker(hidden))
             if recorder.notifier is not None:
                 recorder.notifier.output = self.capture  # the alert hook's event: the tails
         if options.fence:

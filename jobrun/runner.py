@@ -47,6 +47,8 @@ class Job:
     heartbeat: float = 1.0
     min_hold: float | None = None
     once_per: float | None = None
+    #: jobrun's secret-bearing variables the child (and the hook) may have (``--pass-env``).
+    pass_env: tuple[str, ...] = ()
 
 
 class Recorder(Protocol):
@@ -96,20 +98,37 @@ class Recorder(Protocol):
         ...
 
 
-def child_environment(environ: Mapping[str, str], job: Job, run_id: str) -> dict[str, str]:
-    """The child's environment: ours plus who it runs as, for its own database sessions."""
-    from jobrun.db import application_name  # noqa: PLC0415 - keeps this module light
+def child_environment(
+    environ: Mapping[str, str],
+    job: Job,
+    run_id: str,
+    *,
+    fence: int | None = None,
+    slot: int | None = None,
+) -> dict[str, str]:
+    """The child's environment: ours plus who it runs as, for its own database sessions.
 
-    env = dict(environ)
+    Without jobrun's own secret-bearing variables (unless ``--pass-env`` names them), and
+    without any inherited value of a variable jobrun sets: a stale ``JOBRUN_FENCE`` is a
+    token this run never issued.
+    """
+    from jobrun.db import application_name  # noqa: PLC0415 - keeps this module light
+    from jobrun.masking import SET_FOR_CHILD, passed_on  # noqa: PLC0415
+
+    env = passed_on(environ, job.pass_env)
+    for name in SET_FOR_CHILD:
+        env.pop(name, None)
     # In the form jobrun reads them back: a nested jobrun without keys of its own takes
     # (tries to take) exactly ours. Names one per line; raw --lock-id keys have none.
     names = [key.name for key in job.keys if key.name is not None]
     if names:
         env["JOBRUN_KEY"] = "\n".join(names)
-    else:
-        env.pop("JOBRUN_KEY", None)
     env["JOBRUN_LOCK_ID"] = ",".join(str(key.lock_id) for key in job.keys)
     env["JOBRUN_RUN_ID"] = run_id
+    if fence is not None:
+        env["JOBRUN_FENCE"] = str(fence)
+    if slot is not None:
+        env["JOBRUN_SLOT"] = str(slot)
     env.setdefault("PGAPPNAME", application_name(describe(job.keys)))
     return env
 
@@ -181,6 +200,8 @@ class _GuardedRun:
         self.pinger: Pinger | None = None
         self.capture: Capture | None = None
         self.fencer: Callable[[], int] | None = None
+        #: The fencing token taken for this run (``--fence``), for the child's JOBRUN_FENCE.
+        self.fence: int | None = None
 
     def run(self) -> int:
         job, log = self.job, self.log
@@ -298,7 +319,7 @@ class _GuardedRun:
                         exit_code=exc.exit_code,
                     )
                     return exc.exit_code
-                self.environ = {**self.environ, "JOBRUN_FENCE": str(token)}
+                self.fence = token
             return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)
         finally:
             watchdog.stop()
@@ -315,10 +336,14 @@ class _GuardedRun:
                 self._lend_for_the_end(guarded=True)
                 recorder.finished("lock_lost", int(Exit.LOCK_LOST), None, 0.0)
                 return int(Exit.LOCK_LOST)
-        env = child_environment(self.environ, job, self.identity.run_id)
         slot = self.lock.slot_taken()
-        if slot is not None:
-            env["JOBRUN_SLOT"] = str(slot[0])
+        env = child_environment(
+            self.environ,
+            job,
+            self.identity.run_id,
+            fence=self.fence,
+            slot=None if slot is None else slot[0],
+        )
         supervise.become_subreaper()
         started = time.monotonic()
         capture = self.capture

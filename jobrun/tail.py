@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
+    from jobrun.masking import Masker
 
 STDOUT, STDERR = 1, 2
 #: A tail is a tail: more than this per stream belongs in a log file, not in the history.
@@ -95,8 +96,10 @@ class Capture:
         *,
         grace: float = DRAIN_GRACE,
         targets: tuple[int, int] = (STDOUT, STDERR),
+        masker: Masker | None = None,
     ) -> None:
         self.size = size
+        self._masker = masker
         self.grace = grace
         self._targets = targets
         self._rings = (Ring(size), Ring(size))
@@ -161,15 +164,25 @@ class Capture:
 
     @property
     def stdout_tail(self) -> bytes:
-        """The last ``size`` bytes the child wrote to its stdout."""
-        with self._mutex:
-            return self._rings[0].value()
+        """The last ``size`` bytes the child wrote to its stdout, secrets masked."""
+        return self._tail(0)
 
     @property
     def stderr_tail(self) -> bytes:
-        """The last ``size`` bytes the child wrote to its stderr."""
+        """The last ``size`` bytes the child wrote to its stderr, secrets masked."""
+        return self._tail(1)
+
+    def _tail(self, index: int) -> bytes:
+        """A ring's bytes, masked as a whole.
+
+        WARNING: never chunk by chunk: a secret the child wrote in two writes (or that one
+        read split) lies across two chunks, and only the ring holds it whole. A ring that
+        dropped its oldest bytes may start inside a secret: the masker is told so.
+        """
         with self._mutex:
-            return self._rings[1].value()
+            ring = self._rings[index]
+            data, cut = ring.value(), ring.total > ring.size
+        return data if self._masker is None else self._masker.data(data, cut=cut)
 
     def _close_write_ends(self) -> None:
         for fd in self._write:

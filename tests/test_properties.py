@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import quote, quote_plus
 
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -406,6 +407,78 @@ class TestDsnNotUtf8:
                 status = exc.code if isinstance(exc.code, int) else 1
         out, err = capfd.readouterr()
         check(status, out, err, mark, full, env=env)
+
+
+#: A password from the full printable range (ASCII and beyond, no spaces): long enough that
+#: finding it in the output can only mean it was shown.
+passwords = st.text(
+    alphabet=st.characters(
+        min_codepoint=0x21, max_codepoint=0x2FF, exclude_categories=("Cc", "Cs", "Zs", "Zl")
+    ),
+    min_size=8,
+    max_size=16,
+)
+
+
+def _keyword_value(password: str) -> str:
+    escaped = password.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"
+
+
+#: Each way a password can be written into a connection string, and into which place.
+URI_FORMS = {
+    "uri": lambda pw: f"postgresql://u:{pw}@{CLOSED_HOST}:1/db",
+    "uri_encoded": lambda pw: f"postgresql://u:{quote(pw, safe='')}@{CLOSED_HOST}:1/db",
+    "uri_driver": lambda pw: f"postgresql+psycopg://u:{pw}@{CLOSED_HOST}:1/db",
+    "uri_no_user": lambda pw: f"postgres://:{pw}@{CLOSED_HOST}:1/db?connect_timeout=1",
+    "keyword": lambda pw: f"host={CLOSED_HOST} port=1 user=u password={_keyword_value(pw)}",
+}
+
+
+class TestPasswordsInUris:
+    """Whatever characters a password holds, no output of a failing command shows it."""
+
+    @settings(max_examples=120 if PROFILE == "ci" else 2000)
+    @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="flag", command="run")  # noqa: S106 - made up
+    @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="variable", command="doctor")  # noqa: S106 - made up
+    @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="variable", command="status")  # noqa: S106 - made up
+    @example(password="pw9Secret", form="uri_driver", where="variable", command="run")  # noqa: S106 - made up
+    @example(password="p@ss:w%41rd", form="uri", where="variable", command="run")  # noqa: S106 - made up
+    @example(password="pässwörd+=", form="uri_encoded", where="variable", command="doctor")  # noqa: S106 - made up
+    @given(
+        password=passwords,
+        form=st.sampled_from(sorted(URI_FORMS)),
+        where=st.sampled_from(["flag", "variable"]),
+        command=st.sampled_from(["run", "status", "doctor"]),
+    )
+    def test_the_password_is_never_shown(  # noqa: PLR0917 - Hypothesis passes them by name
+        self, password, form, where, command, capfd, mark_dir
+    ):
+        """Exit 64 or 69 (never 70), and neither the password nor its encoded forms appear."""
+        TRIED["test_the_password_is_never_shown"] = (
+            TRIED.get("test_the_password_is_never_shown", 0) + 1
+        )
+        dsn = URI_FORMS[form](password)
+        mark = mark_dir / "ran"
+        given_dsn = ["--dsn", dsn] if where == "flag" else []
+        argv = (
+            [*given_dsn, "--key", "k", "--", TOUCH, str(mark)]
+            if command == "run"
+            else [command, *given_dsn]
+        )
+        env = {**base_environment(), **({"JOBRUN_DSN": dsn} if where == "variable" else {})}
+        capfd.readouterr()
+        with environment(env):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 1
+        out, err = capfd.readouterr()
+        shown = f"dsn={dsn!r}\nstatus={status}\nstdout={out!r}\nstderr={err!r}"
+        assert status in {Exit.USAGE, Exit.UNAVAILABLE}, shown
+        assert not mark.exists(), shown
+        for written in {password, quote(password, safe=""), quote(password), quote_plus(password)}:
+            assert written not in out + err, shown
 
 
 def test_the_process_examples_use_the_real_entry_point():

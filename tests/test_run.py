@@ -257,7 +257,9 @@ class TestNested:
         """The child's JOBRUN_KEY / JOBRUN_LOCK_ID do not add the outer key to the inner run."""
         marker = tmp_path / "inner"
         inner = [*jobrun_cli.JOBRUN, "--key", f"{key}-inner", "--", "touch", str(marker)]
-        result = jobrun_cli.run("--key", f"{key}-outer", "--", *inner, dsn=dsn)
+        result = jobrun_cli.run(
+            "--key", f"{key}-outer", "--pass-env", "JOBRUN_DSN", "--", *inner, dsn=dsn
+        )
         assert result.returncode == 0, result.stderr
         assert marker.exists()
 
@@ -269,13 +271,16 @@ class TestNested:
     def test_a_nested_jobrun_without_keys_tries_exactly_the_outer_ones(
         self, dsn, key, keys_args, tmp_path
     ):
-        """The child's JOBRUN_KEY / JOBRUN_LOCK_ID read back as the outer keys: it skips."""
+        """The child's JOBRUN_KEY / JOBRUN_LOCK_ID read back as the outer keys: it skips.
+
+        The outer run passes its DSN on (``--pass-env``): without it the child has none.
+        """
         marker = tmp_path / "inner"
         args = [arg.format(key=key) for arg in keys_args]
         if "77" in args:  # a raw id of this test's own
             args = ["--lock-id", str(keys.lock_id_for(key))]
         inner = [*jobrun_cli.JOBRUN, "--", "touch", str(marker)]
-        result = jobrun_cli.run(*args, "--", *inner, dsn=dsn)
+        result = jobrun_cli.run(*args, "--pass-env", "JOBRUN_DSN", "--", *inner, dsn=dsn)
         assert result.returncode == 75, result.stderr
         assert not marker.exists()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -140,6 +141,20 @@ class Lines(click.ParamType):  # type: ignore[type-arg]
     ) -> Any:
         """Keep the text; keys are validated together, once the flags have won."""
         return str(value)
+
+
+class VariableName(click.ParamType):  # type: ignore[type-arg]
+    """The name of an environment variable (letters, digits, ``_``; not a digit first)."""
+
+    name = "name"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The name; a usage error naming the flag or variable when it cannot be one."""
+        text = str(value)
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text) is None:
+            where = source_of(param, ctx)
+            raise UsageError(f"{where}: {text!r} is not an environment variable name")
+        return text
 
 
 class Commas(Lines):

@@ -49,6 +49,8 @@ class Settings(NamedTuple):
     ping_timeout: float
     keep_output: str | None
     fence: bool
+    pass_env: tuple[str, ...]
+    mask_env: tuple[str, ...]
     log_format: str
     log_file: str | None
     log_level: str
@@ -234,6 +236,26 @@ class Settings(NamedTuple):
     is_flag=True,
     help="Give the child a fencing token in JOBRUN_FENCE (greater than any earlier one).",
 )
+@options.option(
+    "--pass-env",
+    "pass_env",
+    multiple=True,
+    envvar="JOBRUN_PASS_ENV",
+    type=options.VariableName(),
+    metavar="NAME",
+    help="Give the child and the hook this variable of jobrun's own that can hold a secret "
+    "(JOBRUN_DSN, JOBRUN_PING, JOBRUN_ON_ALERT): withheld otherwise (repeatable).",
+)
+@options.option(
+    "--mask-env",
+    "mask_env",
+    multiple=True,
+    envvar="JOBRUN_MASK_ENV",
+    type=options.VariableName(),
+    metavar="NAME",
+    help="Mask this variable's value (as ***) in kept output, pings and the alert hook's "
+    "event, like the DSN's password (repeatable).",
+)
 @options.log
 @click.pass_context
 def cli(
@@ -268,6 +290,8 @@ def cli(
     ping_timeout: float,
     keep_output: str | None,
     fence: bool,
+    pass_env: tuple[str, ...],
+    mask_env: tuple[str, ...],
     log_format: str,
     log_file: str | None,
     log_level: str,
@@ -306,6 +330,7 @@ def cli(
         raise UsageError("--slots takes one key name (--key NAME)")
     if expect_grace is not None and expect_every is None:
         raise UsageError("--expect-grace goes with --expect-every")
+    _check_pass_env(ctx, pass_env)
     settings = Settings(
         run_keys=run_keys,
         mode=mode,
@@ -342,11 +367,27 @@ def cli(
         ping_timeout=ping_timeout,
         keep_output=keep_output,
         fence=fence,
+        pass_env=pass_env,
+        mask_env=mask_env,
         log_format=log_format,
         log_file=log_file,
         log_level=log_level,
     )
     return wiring.run(argv, settings)
+
+
+def _check_pass_env(ctx: click.Context, names: tuple[str, ...]) -> None:
+    """Only a withheld variable can be passed: any other reaches the child already."""
+    from jobrun.masking import WITHHELD
+
+    for name in names:
+        if name not in WITHHELD:
+            param = next(param for param in ctx.command.params if param.name == "pass_env")
+            where = options.source_of(param, ctx)
+            raise UsageError(
+                f"{where} {name}: only jobrun's own variables that can hold a secret are "
+                f"withheld ({', '.join(WITHHELD)}); every other variable reaches the child"
+            )
 
 
 def _keys(

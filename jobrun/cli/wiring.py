@@ -25,7 +25,7 @@ STDERR = 2
 
 def run(argv: tuple[str, ...], settings: Settings) -> int:
     """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import log, operators, runner
+    from jobrun import log, masking, operators, runner
     from jobrun.locks import Identity, new_run_id
 
     extras = operators.validate(
@@ -46,11 +46,23 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             fd = log.open_log_file(settings.log_file)
         except UsageError as exc:
             log_file_error = str(exc)
+    # What kept output, pings and the alert hook never carry: the DSN's password and
+    # PGPASSWORD, the ping URL's credentials, variables named like secrets or --mask-env.
+    # Only runs that keep output or run a hook look through the environment for them.
+    hidden = target.secrets
+    if settings.keep_output or settings.on_alert:
+        named = masking.named_secrets(os.environ, settings.mask_env)
+        hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named)
     logger = log.configure(
         fmt=settings.log_format,
         level=settings.log_level,
         fd=fd,
-        secrets=target.secrets,  # the DSN's password and PGPASSWORD
+        # The DSN's password, PGPASSWORD and --mask-env's variables (names guessed to be
+        # secret are left out: a log line is jobrun's own text, not the job's).
+        secrets=(
+            *target.secrets,
+            *masking.named_secrets(os.environ, settings.mask_env, guess=False),
+        ),
         # A log file that cannot be written (disk full): the lines go to stderr instead.
         fallback_fd=STDERR if fd is not None else None,
     )
@@ -76,6 +88,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         heartbeat=settings.heartbeat,
         min_hold=settings.min_hold,
         once_per=settings.once_per,
+        pass_env=settings.pass_env,
     )
     lock: Lock
     if settings.slots > 1:
@@ -88,7 +101,9 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         )
     else:
         lock = _lock(settings, run_keys, target, identity, bound)
-    recorder = _recorder(settings, target, identity, program=argv[0], log=bound, lock=lock)
+    recorder = _recorder(
+        settings, target, identity, program=argv[0], log=bound, lock=lock, hidden=hidden
+    )
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
@@ -99,7 +114,13 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
         )
     wired = operators.Extras(
-        extras, target=target, lock=lock, identity=identity, recorder=recorder, log=bound
+        extras,
+        target=target,
+        lock=lock,
+        identity=identity,
+        recorder=recorder,
+        log=bound,
+        hidden=hidden,
     )
     status = runner.run(
         job,
@@ -162,6 +183,7 @@ def _recorder(
     program: str,
     log: FilteringBoundLogger,
     lock: Lock,
+    hidden: tuple[str, ...],
 ) -> Recorder | NoHistory:
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
@@ -170,6 +192,7 @@ def _recorder(
     """
     from pathlib import Path
 
+    from jobrun import masking
     from jobrun.history import notify, recorder
     from jobrun.history.config import HistoryConfig
 
@@ -191,6 +214,8 @@ def _recorder(
         # in lease mode it must never outlast half of what a renewal vouches for.
         timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
     )
+    # The hook's environment: without jobrun's own secrets, as the child's.
+    hook_environ = masking.passed_on(os.environ, settings.pass_env)
     if settings.no_history:
         notifier = notify.Notifier(
             keys.describe(settings.run_keys),
@@ -199,6 +224,8 @@ def _recorder(
             mode=settings.mode,
             config=config,
             log=log,
+            environ=hook_environ,
+            secrets=hidden,
         )
         return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
     return recorder.Recorder(
@@ -209,7 +236,8 @@ def _recorder(
         program=Path(program).name,
         config=config,
         log=log,
-        environ=os.environ,
+        environ=hook_environ,
+        secrets=hidden,
         shared=lock.shared(),
     )
 

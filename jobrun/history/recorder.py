@@ -49,6 +49,7 @@ class Recorder:
         config: HistoryConfig,
         log: FilteringBoundLogger,
         environ: Mapping[str, str] | None = None,
+        secrets: tuple[str, ...] = (),
         shared: SharedSession | None = None,
     ) -> None:
         label = describe(keys)
@@ -69,7 +70,7 @@ class Recorder:
             config=config,
             log=log,
             environ=environ,
-            secrets=target.secrets,
+            secrets=(*target.secrets, *secrets),
         )
         self._row: dict[str, object] = {
             "run_id": identity.run_id,

@@ -1,0 +1,175 @@
+"""What counts as a secret of a run, and masking it out of what jobrun stores, sends or prints."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+from urllib.parse import quote, quote_plus, unquote
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+#: jobrun's own variables that can carry a secret: the connection string (its password),
+#: the ping URL (a credential itself: whoever has it can ping the check) and the alert
+#: command (often a webhook URL with its token). The child and the hook never get them,
+#: unless ``--pass-env`` names them.
+WITHHELD = ("JOBRUN_DSN", "JOBRUN_PING", "JOBRUN_ON_ALERT")
+#: The variables jobrun sets for the child. An inherited value (from a jobrun further up,
+#: or a stale export) is removed first: the child sees only what this run set.
+SET_FOR_CHILD = ("JOBRUN_KEY", "JOBRUN_LOCK_ID", "JOBRUN_RUN_ID", "JOBRUN_FENCE", "JOBRUN_SLOT")
+
+#: A variable named like this holds a secret (case-insensitive): its value is masked in
+#: kept output, ping bodies and the alert hook's event.
+_HIDDEN_NAME = r"(?i)PASSWORD|PASSWD|PASSPHRASE|SECRET|TOKEN|CREDENTIAL|_KEY$"
+#: ... unless it names where a secret is kept rather than the secret (``AWS_..._FILE``), or
+#: is jobrun's own (``JOBRUN_KEY`` is a key name; the DSN and ping URL are read apart).
+_PLAIN_NAME = r"(?i)^JOBRUN_|_(?:FILE|PATH|DIR)$"
+#: A value guessed to be secret from its variable's name is masked only from this length:
+#: ``TOKEN_ENABLED=1`` or ``USE_SECRETS=yes`` would otherwise mask every ``1`` and ``yes``.
+#: Variables named with ``--mask-env`` are masked whatever their length.
+MIN_GUESSED = 6
+
+# The userinfo of a URI of any scheme (``postgresql+psycopg://``, ``https://``): the
+# password runs to the *last* ``@`` of the word, whatever it holds (``/``, ``@``, ``:``,
+# ``%xx``, non-ASCII). Masking a little too much beats showing a piece of a password.
+_MASK_URI = r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/?#@]*:)\S*@"
+_MASK_KEYWORD = r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)"
+
+
+#: A secret shorter than this is masked only where it is plainly a value (quoted, after
+#: ``=``); a longer one also where it stands alone between spaces or punctuation.
+_SHORT_SECRET = 4
+#: A secret this long is masked wherever it occurs, even glued to other text (a hook that
+#: prints it inside a word): no word of a log line contains it by chance.
+_LONG_SECRET = 8
+_BEFORE = "\\s\"'=:@/(<\\["
+_AFTER = "\\s\"'@/),;:>\\]"
+
+
+def mask_secrets(text: str, secrets: Iterable[str]) -> str:
+    """Mask each secret where it occurs as a value in ``text``, not inside other words.
+
+    A password ``e`` must not turn ``started`` into ``start***d``, nor ``test`` rewrite a
+    key named ``test-export``: a secret of 4 to 7 characters is masked only when nothing
+    but a delimiter (space, quote, ``=``, ``:``, ``@``, ``/``, brackets) surrounds it, a
+    shorter one only when quoted or after ``=``; one of 8 or more wherever it occurs.
+    """
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        if text == secret:
+            return "***"
+        if secret not in text:
+            continue
+        if len(secret) >= _LONG_SECRET:
+            text = text.replace(secret, "***")
+            continue
+        escaped = re.escape(secret)
+        if len(secret) < _SHORT_SECRET:
+            pattern = rf"(?:(?<=[\"'])|(?<==)){escaped}(?=[\"'@\s]|$)"
+        else:
+            pattern = rf"(?:(?<=[{_BEFORE}])|^){escaped}(?=[{_AFTER}]|$)"
+        text = re.sub(pattern, "***", text)
+    return text
+
+
+def passed_on(environ: Mapping[str, str], pass_env: Iterable[str] = ()) -> dict[str, str]:
+    """``environ`` without jobrun's secret-bearing variables, but for those in ``pass_env``."""
+    kept = set(pass_env)
+    return {name: value for name, value in environ.items() if name not in WITHHELD or name in kept}
+
+
+def forms(secret: str) -> tuple[str, ...]:
+    """A secret as a program may print it: as is, and URL-encoded (``%2F``, ``+``)."""
+    if not secret:
+        return ()
+    return tuple(dict.fromkeys((secret, quote(secret, safe=""), quote(secret), quote_plus(secret))))
+
+
+#: A segment of a ping URL's path this long is a key (a UUID, a Healthchecks ping key).
+_PATH_KEY = 16
+
+
+def url_secrets(url: str | None) -> tuple[str, ...]:
+    """The secret parts of an http(s) URL: the URL itself, its password and its path.
+
+    The path counts: a Healthchecks URL's check key is in it, and is masked on its own too.
+    """
+    if not url:
+        return ()
+    rest = url.split("://", 1)[-1]
+    authority, _, path = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    found = [url, rest]
+    if at and ":" in userinfo:
+        password = userinfo.split(":", 1)[1]
+        found += [*forms(password), *forms(unquote(password))]
+    path = path.split("?", 1)[0].strip("/")
+    if path:
+        found += [f"{host}/{path}", path]
+        # A check key or UUID on its own (a slug such as "nightly" is not a secret).
+        found += [part for part in path.split("/") if len(part) >= _PATH_KEY]
+    return tuple(found)
+
+
+def named_secrets(
+    environ: Mapping[str, str], mask_env: Iterable[str] = (), *, guess: bool = True
+) -> tuple[str, ...]:
+    """Values of the variables in ``mask_env``, and (``guess``) of those named like secrets."""
+    named = set(mask_env)
+    found: list[str] = []
+    for name, value in environ.items():
+        if name in named:
+            found += forms(value)
+        elif (
+            guess
+            and len(value) >= MIN_GUESSED
+            and re.search(_HIDDEN_NAME, name)
+            and not re.search(_PLAIN_NAME, name)
+        ):
+            found += forms(value)
+            # A key file's text (PEM) may be printed a line at a time.
+            found += [line for line in value.splitlines() if len(line) >= MIN_GUESSED]
+    return tuple(found)
+
+
+def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``."""
+    if "://" in text:
+        text = re.sub(_MASK_URI, r"\1***@", text)
+    if "=" in text:
+        text = re.sub(_MASK_KEYWORD, r"\1***", text)
+    return mask_secrets(text, secrets)
+
+
+class Masker:
+    """Masks one run's secrets out of text and bytes (kept output, pings, the alert hook)."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        self.secrets = tuple(dict.fromkeys(secret for secret in secrets if secret))
+
+    def text(self, text: str) -> str:
+        """``text`` masked (see mask_text)."""
+        return mask_text(text, self.secrets)
+
+    def data(self, data: bytes, *, cut: bool = False) -> bytes:
+        """Bytes masked as text; ``cut``: they are the end of a longer stream.
+
+        Bytes that are not UTF-8 pass through unchanged (surrogateescape both ways). A
+        stream cut short may begin inside a secret: a start that is the end of a secret
+        is masked too, so its second half never shows.
+        """
+        if not data:
+            return data
+        text = self.text(data.decode("utf-8", "surrogateescape"))
+        if cut:
+            text = self._mask_leading_part(text)
+        return text.encode("utf-8", "surrogateescape")
+
+    def _mask_leading_part(self, text: str) -> str:
+        longest = 0
+        for secret in self.secrets:
+            for start in range(1, len(secret)):
+                tail = secret[start:]
+                if len(tail) > longest and text.startswith(tail):
+                    longest = len(tail)
+                    break
+        return "***" + text[longest:] if longest else text
