@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, Lazy] = {
     "demo": Lazy(
         "jobrun.cli.tools",
         "demo_command",
-        "See jobrun work: a run, a skip, a later run (throwaway database if none answers).",
+        "See jobrun work: a run, a skip, a later run (a throwaway database unless one is named).",
     ),
     "doctor": Lazy(
         "jobrun.cli.ops",
