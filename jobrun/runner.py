@@ -130,7 +130,7 @@ def run(
 
     Operators' extras, each optional: ``pinger`` (--ping: start and skip pings; the end
     ping is the caller's, after the release), ``capture`` (--keep-output: the child's
-    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE).
+    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE_TOKEN).
     """
     recorder = recorder or NoHistory()
     guarded = _GuardedRun(
@@ -297,7 +297,7 @@ class _GuardedRun:
                         exit_code=exc.exit_code,
                     )
                     return exc.exit_code
-                self.environ = {**self.environ, "JOBRUN_FENCE": str(token)}
+                self.environ = {**self.environ, "JOBRUN_FENCE_TOKEN": str(token)}
             return self._run_child(child_mask, watchdog=watchdog, recorder=self.recorder)
         finally:
             watchdog.stop()

@@ -60,7 +60,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     from jobrun import control, keys
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
     ) as conn:
@@ -129,7 +129,7 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     from jobrun import control, keys
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     if for_ is not None and until is not None:
         raise UsageError("--for and --until exclude each other")
     until_at = _time(until) if until is not None else None
@@ -148,7 +148,7 @@ def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
     """End the pause of KEY: its next run goes ahead."""
     from jobrun import control, keys
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-resume", doing="resuming the key"
     ) as conn:

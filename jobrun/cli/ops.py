@@ -37,15 +37,14 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     """What is held right now, and how each key's runs went.
 
     Without KEY: every key in the run history, every key leased now, and every advisory
-    lock held by a jobrun session. A multi-key run is one KEY, comma-joined in locking
-    order (as its event lines and this table show it); lock-id:N names a --lock-id key.
+    lock held by a jobrun session. A multi-key run is one KEY, its keys joined by commas in
+    any order (shown in locking order, as in its event lines); lock-id:N names a --lock-id key.
     """
     import json
 
     from jobrun import keys, status
 
-    for label in key_labels:
-        keys.validate_label(label)
+    key_labels = tuple(keys.normalized_label(label) for label in key_labels)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-status", doing="reading the status"
     ) as conn:
@@ -112,9 +111,9 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
 
     from jobrun import keys, status
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     if other_label is not None:
-        keys.validate_label(other_label)
+        other_label = keys.normalized_label(other_label)
     elif since is not None:
         raise UsageError("--since goes with --overlapping")
     if other_label is not None:

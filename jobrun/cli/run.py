@@ -9,7 +9,7 @@ from click.core import ParameterSource
 
 from jobrun import __version__, keys
 from jobrun.cli import options, wiring
-from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
+from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 
 #: Variables of the run's keys, and the option each stands for.
@@ -228,11 +228,9 @@ class Settings(NamedTuple):
 )
 @options.option(
     "--fence",
-    # Not JOBRUN_FENCE: that is the token a guarded child receives (a nested jobrun would
-    # read its own parent's token as this flag).
-    envvar="JOBRUN_FENCING",
+    envvar="JOBRUN_FENCE",
     is_flag=True,
-    help="Give the child a fencing token in JOBRUN_FENCE (greater than any earlier one).",
+    help="Give the child a fencing token in JOBRUN_FENCE_TOKEN (greater than any earlier one).",
 )
 @options.log
 @click.pass_context
@@ -287,11 +285,18 @@ def cli(
     if ctx.invoked_subcommand is not None:
         return None
     argv: tuple[str, ...] | None = ctx.meta.get(ARGV)
+    if ctx.meta.get(BARE):
+        # A bare `jobrun` is someone finding out how to use it: the usage, not an error.
+        click.echo(
+            f"{ctx.get_usage()}\n\n{_EXAMPLES}\nTry 'jobrun --help' for every option.", err=True
+        )
+        return int(Exit.USAGE)
     if not argv:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
     if not argv[0]:
         raise UsageError("the command after '--' is an empty string")
     run_keys = _keys(ctx, key_names, lock_ids)
+    fence = fence or _old_fence_variable(ctx)
     lifetime = 0.0
     if mode == "lease":
         from jobrun.locks.lease import LeaseTiming
@@ -347,6 +352,34 @@ def cli(
         log_level=log_level,
     )
     return wiring.run(argv, settings)
+
+
+#: The short usage's examples (the same as the first lines of ``jobrun --help``).
+_EXAMPLES = """\
+  jobrun --key nightly-export -- ./export.sh   run a command, at most one at a time
+  jobrun key nightly-export                    print the lock id of a key
+  jobrun help SUBCOMMAND                       help on a subcommand
+"""
+
+
+def _old_fence_variable(ctx: click.Context) -> bool:
+    """JOBRUN_FENCING, --fence's old variable: read when neither the flag nor JOBRUN_FENCE is.
+
+    (The run logs a ``deprecated_variable`` warning while it is set.)
+    """
+    import os
+
+    from jobrun.fence import OLD_FLAG_VARIABLE
+
+    raw = os.environ.get(OLD_FLAG_VARIABLE)
+    if raw is None or ctx.get_parameter_source("fence") != ParameterSource.DEFAULT:
+        return False
+    try:
+        return bool(click.BOOL.convert(raw, None, ctx))
+    except click.BadParameter:
+        raise UsageError(
+            f"{OLD_FLAG_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
+        ) from None
 
 
 def _keys(
