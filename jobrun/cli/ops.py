@@ -42,13 +42,16 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import json
 
-    from jobrun import keys, status
+    from jobrun import keys, records, status
 
     key_labels = tuple(keys.normalized_label(label) for label in key_labels)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-status", doing="reading the status"
     ) as conn:
         found = status.collect(conn, key_labels)
+        unknown = [
+            label for label in key_labels if check and not records.ever_recorded(conn, label)
+        ]
     for note in found.notes:
         click.echo(f"jobrun: note: {note}", err=True)
     if as_json:
@@ -63,6 +66,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
         # A check that could not look is no all-clear (the notes above say what was refused).
         problems = [f"cannot check: {what} not readable" for what in found.unreadable]
         problems += status.check_lines(found.keys, alert_after)
+        problems += [str(records.NeverRecorded(label)) for label in unknown]
         for line in problems:
             click.echo(f"jobrun: {line}", err=True)
         return int(Exit.ATTENTION) if problems else 0

@@ -40,6 +40,11 @@ SUBCOMMANDS: dict[str, Lazy] = {
         "drill_command",
         "Rehearse the crash paths on your database: skip, kill -9, lock taken away.",
     ),
+    "forget": Lazy(
+        "jobrun.cli.forget",
+        "forget_command",
+        "Remove all that is recorded of a retired KEY: runs, skips, kept output, pauses.",
+    ),
     "help": Lazy("jobrun.cli.tools", "help_command", "Show the help of jobrun, or of SUBCOMMAND."),
     "history": Lazy(
         "jobrun.cli.ops",
