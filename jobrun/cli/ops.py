@@ -201,25 +201,22 @@ def deadlocks_command(
 
 
 @click.command("show", cls=Subcommand, takes=("dsn", "connect_timeout"))
-@click.argument("run_id")
+@click.argument("run_id", metavar="RUN_ID|KEY")
 @options.database
 def show_command(run_id: str, dsn: str, connect_timeout: float) -> int:
-    """Print the output tails a failed run kept (--keep-output), by its run id.
+    """Print the output tails a failed run kept (--keep-output), by its run id or KEY.
 
-    The run id is in every event line of the run (run_id) and in `jobrun history`.
-    Bytes that are not UTF-8 are shown as U+FFFD. Exit 1 if the run kept no output.
+    RUN_ID: the run id of its event lines, or its first digits as `jobrun history` shows
+    them (at least 4; exit 64 if they start more than one run). KEY: the newest run of KEY
+    that kept output. Bytes that are not UTF-8 are shown as U+FFFD. Exit 1 if the run kept
+    no output or nothing matches.
     """
-    import uuid
+    from jobrun import runids, tail
 
-    from jobrun import tail
-
-    try:
-        run_id = str(uuid.UUID(run_id))
-    except ValueError:
-        raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
+        run_id = runids.resolve(conn, run_id)
         run = tail.read(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
