@@ -24,7 +24,7 @@ from jobrun.exitcodes import LockStoreUnavailable, UsageError
 from jobrun.log import mask_secrets, safe_text
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 Connection = psycopg.Connection[tuple[object, ...]]
 
@@ -45,6 +45,9 @@ _REPORTED = {
     "TimeZone": ("utc", "etc/utc", "etc/universal", "universal", "zulu", "etc/zulu"),
     "client_encoding": ("utf8",),
 }
+
+#: Seconds without an answer after which a connection attempt says it is still under way.
+SLOW_CONNECT = 2.0
 
 #: Connection-failure reasons (``LockStoreUnavailable.reason``), documented in docs/connecting.md.
 UNREACHABLE = "unreachable"
@@ -131,6 +134,9 @@ class Target:
     tcp_user_timeout: float = 10.0
     #: What this process learned about the server path (a pooler refusing ``options``).
     _learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    #: Called once per attempt that has had no answer for SLOW_CONNECT seconds (a server
+    #: that accepts and never answers would otherwise mean --connect-timeout of silence).
+    on_slow_connect: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -386,7 +392,10 @@ def _connect_once(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
-        finished = attempt.done.wait(remaining)
+        finished = attempt.done.wait(min(remaining, SLOW_CONNECT))
+        if not finished and target.on_slow_connect is not None:
+            target.on_slow_connect()
+        finished = finished or attempt.done.wait(max(0.0, deadline - time.monotonic()))
     finally:
         late = attempt.abandon()
     if late is not None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity, Lock
     from jobrun.ping import Pinger
     from jobrun.tail import Capture
+    from jobrun.waiting import WaitReporter
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,14 @@ def run(
     pinger: Pinger | None = None,
     capture: Capture | None = None,
     fencer: Callable[[], int] | None = None,
+    waiting: WaitReporter | None = None,
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status.
 
     Operators' extras, each optional: ``pinger`` (--ping: start and skip pings; the end
     ping is the caller's, after the release), ``capture`` (--keep-output: the child's
-    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE_TOKEN).
+    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE_TOKEN),
+    ``waiting`` (--wait: lines while the lock is waited for).
     """
     recorder = recorder or NoHistory()
     guarded = _GuardedRun(
@@ -138,6 +141,7 @@ def run(
     )
     # Operators' extras (--ping, --keep-output, --fence), each optional.
     guarded.pinger, guarded.capture, guarded.fencer = pinger, capture, fencer
+    guarded.waiting = waiting
     try:
         with _interruptible():
             return guarded.run()
@@ -181,11 +185,13 @@ class _GuardedRun:
         self.pinger: Pinger | None = None
         self.capture: Capture | None = None
         self.fencer: Callable[[], int] | None = None
+        self.waiting: WaitReporter | None = None
 
     def run(self) -> int:
         job, log = self.job, self.log
         try:
-            holder = self.lock.acquire(job.wait)
+            with self.waiting.around(job.wait) if self.waiting else contextlib.nullcontext():
+                holder = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
             unguarded = job.on_db_error == "run"
             log.error(

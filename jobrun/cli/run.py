@@ -25,6 +25,7 @@ class Settings(NamedTuple):
     dsn_on_command_line: bool
     connect_timeout: float
     wait: float
+    wait_report: float
     timeout: float | None
     kill_after: float
     heartbeat: float
@@ -90,6 +91,15 @@ class Settings(NamedTuple):
     show_default=True,
     metavar="DURATION",
     help="Wait this long for the lock before skipping.",
+)
+@options.option(
+    "--wait-report",
+    envvar="JOBRUN_WAIT_REPORT",
+    type=options.Duration(minimum="1s", why="each report looks the holder up"),
+    default="1m",
+    show_default=True,
+    metavar="DURATION",
+    help="While --wait lasts, say who holds the lock this often (still_waiting events).",
 )
 @options.option(
     "--timeout",
@@ -244,6 +254,7 @@ def cli(
     connect_timeout: float,
     mode: str,
     wait: float,
+    wait_report: float,
     timeout: float | None,
     kill_after: float,
     heartbeat: float | None,
@@ -318,6 +329,7 @@ def cli(
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
         connect_timeout=connect_timeout,
         wait=wait,
+        wait_report=wait_report,
         timeout=timeout or None,
         kill_after=kill_after,
         heartbeat=heartbeat or 1.0,
