@@ -74,7 +74,7 @@ SUBCOMMANDS: dict[str, Lazy] = {
     "show": Lazy(
         "jobrun.cli.ops",
         "show_command",
-        "Print the output tails a failed run kept (--keep-output), by its run id.",
+        "Print the output tails a failed run kept (--keep-output), by its run id or KEY.",
     ),
     "status": Lazy(
         "jobrun.cli.ops",
