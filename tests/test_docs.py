@@ -11,10 +11,10 @@ import click
 import pytest
 
 from jobrun.cli import cli, reference
+from jobrun.exitcodes import TABLE
 from jobrun.locks import Holder
 from jobrun.status import status_table
 from jobrun.status.collect import KeyStatus
-from jobrun.exitcodes import TABLE
 from support import jobrun_cli
 
 if TYPE_CHECKING:
