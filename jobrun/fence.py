@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 #: The variable the child reads its token from. Not ``JOBRUN_FENCE``: that is --fence's own
 #: variable, and a jobrun inside the child would read the token as the flag.
 ENV = "JOBRUN_FENCE_TOKEN"
-#: --fence's variable before it was named after the flag: still read, with a warning event.
-OLD_FLAG_VARIABLE = "JOBRUN_FENCING"
 
 
 def take(target: db.Target, *, app_name: str, shared: SharedSession | None = None) -> int:

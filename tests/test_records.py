@@ -156,3 +156,15 @@ class TestForget:
             proc.wait()
             os.close(leader)
         assert (rows_of(dsn, key) == []) is removed
+
+    def test_a_role_that_may_only_read_cannot_forget(self, dsn, key, role):
+        """Without DELETE on jobrun.runs: exit 69, one line, every row still there."""
+        _ran(key, dsn)
+        reader = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT ON ALL TABLES IN SCHEMA jobrun TO {role}",
+        )
+        result = jobrun_cli.run("forget", key, "--yes", dsn=reader)
+        assert result.returncode == 69, result.stderr
+        assert len(result.stderr.splitlines()) == 1
+        assert len(rows_of(dsn, key)) == 1

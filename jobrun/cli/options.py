@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from jobrun import db
 
 MODES = ("session", "lease")
+#: --fence's variable before it was named after the flag: still read, with a warning event.
+OLD_FENCE_VARIABLE = "JOBRUN_FENCING"
 #: ctx.meta key: the group's context, when a subcommand follows the group's options.
 SUBCOMMAND_FOLLOWS = "jobrun.subcommand_follows"
 

@@ -381,16 +381,14 @@ def _old_fence_variable(ctx: click.Context) -> bool:
     """
     import os
 
-    from jobrun.fence import OLD_FLAG_VARIABLE
-
-    raw = os.environ.get(OLD_FLAG_VARIABLE)
+    raw = os.environ.get(options.OLD_FENCE_VARIABLE)
     if raw is None or ctx.get_parameter_source("fence") != ParameterSource.DEFAULT:
         return False
     try:
         return bool(click.BOOL.convert(raw, None, ctx))
     except click.BadParameter:
         raise UsageError(
-            f"{OLD_FLAG_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
+            f"{options.OLD_FENCE_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
         ) from None
 
 

@@ -27,7 +27,7 @@ STDERR = 2
 
 def run(argv: tuple[str, ...], settings: Settings) -> int:
     """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import fence, log, operators, runner
+    from jobrun import log, operators, runner
     from jobrun.locks import Identity, new_run_id
 
     extras = operators.validate(
@@ -95,9 +95,9 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
-    if fence.OLD_FLAG_VARIABLE in os.environ:
+    if options.OLD_FENCE_VARIABLE in os.environ:
         bound.warning(
-            "deprecated_variable", variable=fence.OLD_FLAG_VARIABLE, use_instead="JOBRUN_FENCE"
+            "deprecated_variable", variable=options.OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
         )
     if settings.dsn_on_command_line and target.has_password:
         bound.warning(
