@@ -73,7 +73,8 @@ class TestWaitingForTheLock:
         assert first["waited"] >= waiting.NOTICE_AFTER
         assert later["event"] == "still_waiting"
         assert later["holder_run_id"] == holder_run
-        assert later["waited"] >= first["waited"] + 1
+        # --wait-report 1s apart, each figure rounded to 0.1 s
+        assert later["waited"] - first["waited"] >= 1 - 0.1
         assert waiter.returncode == 0, rest
         assert jobrun_cli.event(rest, "started")["run_id"] == lines[0]["run_id"]
 
