@@ -9,6 +9,7 @@ from psycopg import errors
 
 from jobrun import control
 from jobrun.exitcodes import Exit, JobrunError
+from jobrun.printable import printable
 from jobrun.sql import records as statements
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def forget(conn: Connection, label: str) -> Forgotten:
             )
         lease = _one(conn, statements.FORGET_LIVE_LEASE, params)
         if lease is not None:
-            owner, host, pid = lease
+            owner, host, pid = (printable(value) for value in lease)
             raise KeyHeld(
                 f"{label} is held by run {owner} on {host} (pid {pid}, lease mode): forget "
                 f"only a retired key; stop it first (jobrun stop {label}) or wait for it to end"

@@ -10,6 +10,7 @@ from psycopg import errors
 
 from jobrun import keys
 from jobrun.exitcodes import Exit, JobrunError, UsageError
+from jobrun.printable import printable
 from jobrun.sql import runids as statements
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ def resolve(conn: Connection, text: str) -> str:
             return str(found[0][0])
         if found:
             listed = "; ".join(
-                f"{run_id} ({key}, {_iso(started)})" for run_id, key, started in found[:LISTED]
+                f"{run_id} ({printable(key)}, {_iso(started)})"
+                for run_id, key, started in found[:LISTED]
             )
             more = ", and more" if len(found) > LISTED else ""
             raise UsageError(

@@ -9,6 +9,7 @@ import subprocess
 import psycopg
 import pytest
 
+from jobrun.keys import lock_id_for
 from support import jobrun_cli
 from support.history import rows_of
 from support.jobrun_cli import wait_for_file
@@ -168,3 +169,17 @@ class TestForget:
         assert result.returncode == 69, result.stderr
         assert len(result.stderr.splitlines()) == 1
         assert len(rows_of(dsn, key)) == 1
+
+    def test_the_lease_holder_is_named_escaped(self, dsn, key):
+        """A live lease whose host holds an escape sequence: named as \\x1b, never raw."""
+        _ran(key, dsn, "--mode", "lease")  # creates jobrun.leases
+        with psycopg.connect(dsn) as conn:
+            conn.execute(
+                "INSERT INTO jobrun.leases VALUES (%s, %s, gen_random_uuid(), %s, 1, now(), now(),"
+                " now() + interval '1 hour')",
+                (lock_id_for(key), key, "host\x1b[2J"),
+            )
+        result = jobrun_cli.run("forget", key, "--yes", dsn=dsn)
+        assert result.returncode == 1
+        assert "\x1b" not in result.stderr
+        assert "host\\x1b[2J" in result.stderr

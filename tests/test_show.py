@@ -80,6 +80,16 @@ class TestRunIdsAsShown:
         assert shown.returncode == 1
         assert "kept output" in shown.stderr
 
+    def test_the_ambiguous_runs_are_listed_escaped(self, dsn, key):
+        """A key another role wrote with an escape sequence is listed as \\x1b, not raw."""
+        hostile = f"{key}\x1b[2J"
+        _row(dsn, "abcd5678-0000-4000-8000-000000000001", hostile)
+        _row(dsn, "abcd5678-0000-4000-8000-000000000002", hostile)
+        shown = jobrun_cli.run("show", "abcd5678", dsn=dsn)
+        assert shown.returncode == 64
+        assert "\x1b" not in shown.stderr
+        assert f"{key}\\x1b[2J" in shown.stderr
+
 
 class TestShowKey:
     """`jobrun show KEY` shows the newest run of KEY that kept output."""
