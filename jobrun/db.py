@@ -25,7 +25,7 @@ from jobrun.log import safe_text
 from jobrun.masking import forms, mask_text
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 Connection = psycopg.Connection[tuple[object, ...]]
 
@@ -46,6 +46,9 @@ _REPORTED = {
     "TimeZone": ("utc", "etc/utc", "etc/universal", "universal", "zulu", "etc/zulu"),
     "client_encoding": ("utf8",),
 }
+
+#: Seconds without an answer after which a connection attempt says it is still under way.
+SLOW_CONNECT = 2.0
 
 #: Connection-failure reasons (``LockStoreUnavailable.reason``), documented in docs/connecting.md,
 #: with ``TLS`` (imported from exitcodes: a certificate, a host name, TLS itself).
@@ -142,6 +145,9 @@ class Target:
     tcp_user_timeout: float = 10.0
     #: What this process learned about the server path (a pooler refusing ``options``).
     _learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    #: Called once per attempt that has had no answer for SLOW_CONNECT seconds (a server
+    #: that accepts and never answers would otherwise mean --connect-timeout of silence).
+    on_slow_connect: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def secrets(self) -> tuple[str, ...]:
@@ -441,7 +447,10 @@ def _connect_once(
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
-        finished = attempt.done.wait(remaining)
+        finished = attempt.done.wait(min(remaining, SLOW_CONNECT))
+        if not finished and target.on_slow_connect is not None:
+            target.on_slow_connect()
+        finished = finished or attempt.done.wait(max(0.0, deadline - time.monotonic()))
     finally:
         late = attempt.abandon()
     if late is not None:

@@ -11,7 +11,7 @@ class Exit(enum.IntEnum):
 
     OK = 0
     #: ``status --check``: a key is overdue, failing or stuck, or the history is unreadable;
-    #: ``stop``: nothing held KEY.
+    #: ``stop``: nothing held KEY; a KEY never recorded (``records.NeverRecorded``).
     ATTENTION = 1
     #: ``stop``: the run did not end within ``--wait`` (with ``--force``: its lock was taken).
     NOT_ENDED = 3
@@ -73,8 +73,9 @@ TABLE: tuple[tuple[str, str], ...] = (
         str(Exit.ATTENTION.value),
         (
             "`jobrun status --check`: a key is overdue, failing or stuck, or the history cannot be "
-            "read; `jobrun stop`: "
-            "nothing held the key"
+            "read; `jobrun stop`: nothing held the key; `status --check KEY`, `stop`, `pause`, "
+            "`resume`, `forget`: no run of KEY was ever recorded (a typo?); `forget`: a run "
+            "holds the key; `show`: no such run, or it kept no output"
         ),
     ),
     (str(Exit.NOT_ENDED.value), "`jobrun stop`: the run did not end within `--wait`"),

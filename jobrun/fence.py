@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from jobrun.history.calls import SharedSession
     from jobrun.locks import Lock
 
-#: The variable the child reads its token from.
-ENV = "JOBRUN_FENCE"
+#: The variable the child reads its token from. Not ``JOBRUN_FENCE``: that is --fence's own
+#: variable, and a jobrun inside the child would read the token as the flag.
+ENV = "JOBRUN_FENCE_TOKEN"
 
 
 def take(target: db.Target, *, app_name: str, shared: SharedSession | None = None) -> int:

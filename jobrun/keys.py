@@ -129,6 +129,21 @@ def validate_label(label: str) -> str:
     return label
 
 
+def normalized_label(label: str) -> str:
+    """``label`` validated and written as runs record it: its parts in locking order.
+
+    A multi-key run is one label, comma-joined in ascending lock-id order: ``b,a`` names the
+    same run as ``a,b``, whichever order the user wrote. Raises UsageError for a bad label.
+    """
+    validate_label(label)
+    parts = label.split(",")
+    names = tuple(part for part in parts if not part.startswith(LOCK_ID_PREFIX))
+    lock_ids = tuple(
+        part[len(LOCK_ID_PREFIX) :] for part in parts if part.startswith(LOCK_ID_PREFIX)
+    )
+    return describe(resolve(names, lock_ids))
+
+
 def from_name(name: str) -> Key:
     """Build the Key for a validated name."""
     return Key(lock_id=lock_id_for(validate_name(name)), name=name)

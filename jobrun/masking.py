@@ -16,7 +16,13 @@ if TYPE_CHECKING:
 WITHHELD = ("JOBRUN_DSN", "JOBRUN_PING", "JOBRUN_ON_ALERT")
 #: The variables jobrun sets for the child. An inherited value (from a jobrun further up,
 #: or a stale export) is removed first: the child sees only what this run set.
-SET_FOR_CHILD = ("JOBRUN_KEY", "JOBRUN_LOCK_ID", "JOBRUN_RUN_ID", "JOBRUN_FENCE", "JOBRUN_SLOT")
+SET_FOR_CHILD = (
+    "JOBRUN_KEY",
+    "JOBRUN_LOCK_ID",
+    "JOBRUN_RUN_ID",
+    "JOBRUN_FENCE_TOKEN",
+    "JOBRUN_SLOT",
+)
 
 #: A variable named like this holds a secret (case-insensitive): its value is masked in
 #: kept output, ping bodies and the alert hook's event.

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity, Lock
     from jobrun.ping import Pinger
     from jobrun.tail import Capture
+    from jobrun.waiting import WaitReporter
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def child_environment(
     """The child's environment: ours plus who it runs as, for its own database sessions.
 
     Without jobrun's own secret-bearing variables (unless ``--pass-env`` names them), and
-    without any inherited value of a variable jobrun sets: a stale ``JOBRUN_FENCE`` is a
+    without any inherited value of a variable jobrun sets: a stale ``JOBRUN_FENCE_TOKEN`` is a
     token this run never issued.
     """
     from jobrun.db import application_name  # noqa: PLC0415 - keeps this module light
@@ -126,7 +127,7 @@ def child_environment(
     env["JOBRUN_LOCK_ID"] = ",".join(str(key.lock_id) for key in job.keys)
     env["JOBRUN_RUN_ID"] = run_id
     if fence is not None:
-        env["JOBRUN_FENCE"] = str(fence)
+        env["JOBRUN_FENCE_TOKEN"] = str(fence)
     if slot is not None:
         env["JOBRUN_SLOT"] = str(slot)
     env.setdefault("PGAPPNAME", application_name(describe(job.keys)))
@@ -144,12 +145,14 @@ def run(
     pinger: Pinger | None = None,
     capture: Capture | None = None,
     fencer: Callable[[], int] | None = None,
+    waiting: WaitReporter | None = None,
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status.
 
     Operators' extras, each optional: ``pinger`` (--ping: start and skip pings; the end
     ping is the caller's, after the release), ``capture`` (--keep-output: the child's
-    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE).
+    stdout and stderr through pipes), ``fencer`` (--fence: a token for JOBRUN_FENCE_TOKEN),
+    ``waiting`` (--wait: lines while the lock is waited for).
     """
     recorder = recorder or NoHistory()
     guarded = _GuardedRun(
@@ -157,6 +160,7 @@ def run(
     )
     # Operators' extras (--ping, --keep-output, --fence), each optional.
     guarded.pinger, guarded.capture, guarded.fencer = pinger, capture, fencer
+    guarded.waiting = waiting
     try:
         with _interruptible():
             return guarded.run()
@@ -200,13 +204,15 @@ class _GuardedRun:
         self.pinger: Pinger | None = None
         self.capture: Capture | None = None
         self.fencer: Callable[[], int] | None = None
-        #: The fencing token taken for this run (``--fence``), for the child's JOBRUN_FENCE.
+        #: The fencing token taken for this run (``--fence``), for the child's JOBRUN_FENCE_TOKEN.
         self.fence: int | None = None
+        self.waiting: WaitReporter | None = None
 
     def run(self) -> int:
         job, log = self.job, self.log
         try:
-            holder = self.lock.acquire(job.wait)
+            with self.waiting.around(job.wait) if self.waiting else contextlib.nullcontext():
+                holder = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
             # A TLS failure is no outage: the child never runs without its lock then.
             unguarded = job.on_db_error == "run" and not exc.fails_closed

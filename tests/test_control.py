@@ -154,6 +154,7 @@ class TestStop:
 
     def test_stop_of_a_free_key_exits_1(self, dsn, key):
         """Nothing holds the key: stop says so and exits 1."""
+        assert jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 0
         result = jobrun_cli.run("stop", key, dsn=dsn)
         assert result.returncode == 1
         assert f"nothing holds {key}" in result.stderr
@@ -192,7 +193,7 @@ class TestPause:
     @pytest.mark.parametrize("mode", MODES)
     def test_paused_key_skips_with_reason_paused_and_no_streak(self, dsn, key, tmp_path, mode):
         """Three paused runs: 75 each, reason paused, streak 0, no alert; the child never ran."""
-        paused = jobrun_cli.run("pause", key, "--reason", "migration", dsn=dsn)
+        paused = jobrun_cli.run("pause", "--new", key, "--reason", "migration", dsn=dsn)
         assert paused.returncode == 0, paused.stderr
         ran = tmp_path / "ran"
         results = [
@@ -223,7 +224,7 @@ class TestPause:
 
     def test_resume_lets_the_next_run_go(self, dsn, key):
         """After resume, the run goes ahead."""
-        assert jobrun_cli.run("pause", key, dsn=dsn).returncode == 0
+        assert jobrun_cli.run("pause", "--new", key, dsn=dsn).returncode == 0
         assert jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 75
         resumed = jobrun_cli.run("resume", key, dsn=dsn)
         assert "resumed" in resumed.stdout
@@ -231,7 +232,7 @@ class TestPause:
 
     def test_pause_for_expires(self, dsn, key):
         """--for 1s: skips until the pause's end on the database's clock, then runs."""
-        assert jobrun_cli.run("pause", key, "--for", "1s", dsn=dsn).returncode == 0
+        assert jobrun_cli.run("pause", "--new", key, "--for", "1s", dsn=dsn).returncode == 0
         first = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
         with psycopg.connect(dsn) as conn:
             row = conn.execute(
@@ -250,7 +251,7 @@ class TestPause:
 
     def test_paused_key_skips_without_history(self, dsn, key):
         """--no-history still honours a pause (a statement of its own)."""
-        assert jobrun_cli.run("pause", key, dsn=dsn).returncode == 0
+        assert jobrun_cli.run("pause", "--new", key, dsn=dsn).returncode == 0
         result = jobrun_cli.run("--key", key, "--no-history", "--", "true", dsn=dsn)
         assert result.returncode == 75, result.stderr
         assert event(result.stderr, "skipped")["reason"] == "paused"
@@ -262,14 +263,17 @@ class TestPause:
             "--key", key, "--", "sh", "-c", f'echo go > "{marker}"; sleep 1', dsn=dsn
         )
         wait_for_file(marker)
-        assert jobrun_cli.run("pause", key, dsn=dsn).returncode == 0
+        assert jobrun_cli.run("pause", "--new", key, dsn=dsn).returncode == 0
         proc.communicate(timeout=60)
         assert proc.returncode == 0
 
     def test_status_shows_the_pause(self, dsn, key):
         """status --json: paused by whom, since, until, why."""
         assert (
-            jobrun_cli.run("pause", key, "--for", "1h", "--reason", "why", dsn=dsn).returncode == 0
+            jobrun_cli.run(
+                "pause", "--new", key, "--for", "1h", "--reason", "why", dsn=dsn
+            ).returncode
+            == 0
         )
         result = jobrun_cli.run("status", key, "--json", dsn=dsn)
         (row,) = json.loads(result.stdout)
@@ -296,7 +300,7 @@ class TestWithoutTheOperatorsTables:
             if tables == "dropped":
                 conn.execute("DROP TABLE jobrun.pauses, jobrun.expectations")
         if tables == "not granted":
-            paused = jobrun_cli.run("pause", key, dsn=fresh_dsn)
+            paused = jobrun_cli.run("pause", "--new", key, dsn=fresh_dsn)
             assert paused.returncode == 0, paused.stderr
         dsn = role(
             "GRANT USAGE ON SCHEMA jobrun TO {role}",
@@ -344,7 +348,7 @@ class TestARoleWithoutCreate:
             if proc.poll() is None:
                 jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
         assert proc.returncode == 77, stderr
-        paused = jobrun_cli.run("pause", key, dsn=dsn)
+        paused = jobrun_cli.run("pause", "--new", key, dsn=dsn)
         assert paused.returncode == 0, paused.stderr
         skipped = jobrun_cli.run("--key", key, "--", "true", dsn=dsn)
         assert skipped.returncode == 75, skipped.stderr
@@ -572,7 +576,9 @@ class TestBadInput:
 
     def test_until_in_the_future_is_shown(self, dsn, key):
         """--until TIME: the pause ends then (as the database stores it)."""
-        result = jobrun_cli.run("pause", key, "--until", "2999-01-01T00:00:00+00:00", dsn=dsn)
+        result = jobrun_cli.run(
+            "pause", "--new", key, "--until", "2999-01-01T00:00:00+00:00", dsn=dsn
+        )
         assert result.returncode == 0, result.stderr
         assert "until 2999-01-01T00:00:00+00:00" in result.stdout
         assert jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 75

@@ -12,6 +12,9 @@ import pytest
 
 from jobrun.cli import cli, reference
 from jobrun.exitcodes import TABLE
+from jobrun.locks import Holder
+from jobrun.status import status_table
+from jobrun.status.collect import KeyStatus
 from support import jobrun_cli
 
 if TYPE_CHECKING:
@@ -149,13 +152,21 @@ NOT_LOGGED = {"error", "usage_error", "output_error", "pipe_closed", "no_input",
 class TestReference:
     """docs/reference.md: every option of every command, and every event."""
 
-    def test_option_tables_are_generated_from_the_commands(self):
-        """The generated block is what `python -m jobrun.cli.reference` prints today."""
-        block = REFERENCE.split(reference.BEGIN)[1].split(reference.END)[0]
-        assert block.strip() == reference.render().strip(), (
-            "docs/reference.md is stale: regenerate its options block with "
-            "`python -m jobrun.cli.reference`"
+    @pytest.mark.parametrize("name", sorted(reference.BLOCKS))
+    def test_generated_blocks_match_the_commands(self, name):
+        """The subcommand list, the placement table and the option tables, as the CLI is."""
+        assert reference.block(REFERENCE, name) == reference.RENDERERS[name]().strip(), (
+            f"docs/reference.md's {name} block is stale: run `python -m jobrun.cli.reference`"
         )
+
+    def test_every_subcommand_is_listed_and_placed(self):
+        """stop, pause, resume, show, forget...: each in the list; each taking --dsn placed."""
+        listed = reference.block(REFERENCE, "subcommands")
+        placed = reference.block(REFERENCE, "placement")
+        for name in cli.list_commands(click.Context(cli)):
+            assert f"| `{name}` |" in listed, name
+        for name in ("stop", "pause", "resume", "show", "forget"):
+            assert f"`{name}`" in placed, name
 
     def test_every_option_with_its_variable(self):
         """Each option of each command has a row, with its JOBRUN_* variable if it has one."""
@@ -210,3 +221,46 @@ class TestNamedTests:
             ):
                 missing.append("::".join(part for part in (module, first, second) if part))
         assert missing == []
+
+
+#: The rows of the `jobrun status` sample in docs/operations.md.
+STATUS_SAMPLE_ROWS = (
+    KeyStatus(
+        key="nightly-export",
+        lock_ids=[-5287385889299587548],
+        holder=Holder(
+            key="nightly-export",
+            mode="session",
+            host="web1",
+            pid=6815,
+            run_id="4d30bf71-6a2f-4c51-9e0e-0e3c1f2b7a10",
+            since="2026-11-29T10:26:20+00:00",
+        ),
+        last_outcome="succeeded",
+        last_finished_at="2026-11-28T10:27:02+00:00",
+        last_duration=42.1,
+        typical_duration=40.3,
+        last_deadlocks=0,
+    ),
+    KeyStatus(
+        key="sync-invoices",
+        lock_ids=[1],
+        last_outcome="failed",
+        last_finished_at="2026-11-29T10:25:07+00:00",
+        last_duration=3.2,
+        typical_duration=2.9,
+        last_deadlocks=1,
+        failure_streak=2,
+        paused={"until": None, "user": "ops", "host": "admin1"},
+    ),
+)
+
+
+class TestOperationsSamples:
+    """docs/operations.md shows `jobrun status` as the code prints it."""
+
+    def test_the_status_sample_is_what_status_prints(self):
+        """Every column (DEADLOCKS and NOTE too), rendered by the code from known rows."""
+        page = (ROOT / "docs" / "operations.md").read_text()
+        sample = status_table(STATUS_SAMPLE_ROWS)
+        assert page.count(f"$ jobrun status\n{sample}\n") == 2, sample

@@ -130,7 +130,7 @@ class TestDocumentedGuard:
 # A child that records its token, then (when asked) does a guarded write.
 GUARDED_WRITE = """
 import os, sys, psycopg
-token = int(os.environ["JOBRUN_FENCE"])
+token = int(os.environ["JOBRUN_FENCE_TOKEN"])
 try:
     with psycopg.connect(sys.argv[1]) as conn:
         conn.execute("SELECT fence_check('sync-ledger', %s)", (token,))
@@ -144,10 +144,10 @@ open(sys.argv[3], "w").write(f"{token} {result}\\n")
 
 class TestEndToEnd:
     def test_the_child_gets_its_token(self, dsn, key):
-        """JOBRUN_FENCE in the child's environment, and a fence_taken event with it."""
+        """JOBRUN_FENCE_TOKEN in the child's environment, and a fence_taken event with it."""
         proc = cli.run(
             "--key", key, "--fence", "--", sys.executable, "-c",
-            "import os; print(os.environ['JOBRUN_FENCE'])", dsn=dsn,
+            "import os; print(os.environ['JOBRUN_FENCE_TOKEN'])", dsn=dsn,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert int(proc.stdout) == cli.event(proc.stderr, "fence_taken")["fence"]
@@ -171,7 +171,7 @@ class TestEndToEnd:
         with SessionCounter(fresh_dsn) as counter:
             proc = cli.run(
                 *argv, sys.executable, "-c",
-                "import os; print(os.environ['JOBRUN_SLOT'], os.environ['JOBRUN_FENCE'])",
+                "import os; print(os.environ['JOBRUN_SLOT'], os.environ['JOBRUN_FENCE_TOKEN'])",
                 dsn=fresh_dsn,
             )  # fmt: skip
             assert proc.returncode == 0, proc.stderr
@@ -181,10 +181,10 @@ class TestEndToEnd:
         assert int(token) == cli.event(proc.stderr, "fence_taken")["fence"]
 
     def test_without_fence_there_is_no_token(self, dsn, key):
-        """No --fence: no JOBRUN_FENCE, no sequence touched."""
+        """No --fence: no JOBRUN_FENCE_TOKEN, no sequence touched."""
         proc = cli.run(
             "--key", key, "--", sys.executable, "-c",
-            "import os; print(os.environ.get('JOBRUN_FENCE'))", dsn=dsn,
+            "import os; print(os.environ.get('JOBRUN_FENCE_TOKEN'))", dsn=dsn,
         )  # fmt: skip
         assert proc.stdout == "None\n"
 
@@ -218,7 +218,7 @@ class TestEndToEnd:
         record = (
             "import os, sys, time\n"
             "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
-            "os.write(fd, f\"{sys.argv[2]} {os.environ['JOBRUN_FENCE']}\\n\".encode())\n"
+            "os.write(fd, f\"{sys.argv[2]} {os.environ['JOBRUN_FENCE_TOKEN']}\\n\".encode())\n"
             "time.sleep(0.05)"
         )
 
@@ -254,7 +254,7 @@ class TestEndToEnd:
         # A's child ignores SIGTERM so that its stale attempt surely happens.
         a_child = (
             "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            f"open({str(a_token)!r}, 'w').write(os.environ['JOBRUN_FENCE'] + '\\n')\n"
+            f"open({str(a_token)!r}, 'w').write(os.environ['JOBRUN_FENCE_TOKEN'] + '\\n')\n"
             f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
             f"sys.argv = ['', {guarded_dsn!r}, 'from A', {str(a_result)!r}]\n" + GUARDED_WRITE
         )
@@ -288,3 +288,40 @@ class TestEndToEnd:
             notes = conn.execute("SELECT note FROM ledger_sync").fetchall()
         assert notes == [("from B",)]
         assert holder.returncode in (0, 76), holder_stderr
+
+
+class TestNames:
+    """--fence, its variable and the child's token variable are one family of names."""
+
+    def test_jobrun_fence_turns_fencing_on(self, dsn, key):
+        """JOBRUN_FENCE=1 is --fence, named after the flag as every other variable."""
+        proc = cli.run(
+            "--key", key, "--", sys.executable, "-c",
+            "import os; print(os.environ['JOBRUN_FENCE_TOKEN'])",
+            dsn=dsn, env={"JOBRUN_FENCE": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert int(proc.stdout) == cli.event(proc.stderr, "fence_taken")["fence"]
+
+    def test_a_jobrun_inside_a_fenced_child_runs(self, dsn, key):
+        """The token the child receives is not read as the nested jobrun's --fence."""
+        inner = f"{key}-inner"
+        proc = cli.run(
+            "--key", key, "--fence", "--", *cli.JOBRUN, "--key", inner, "--",
+            sys.executable, "-c", "import os; print(os.environ.get('JOBRUN_FENCE_TOKEN'))",
+            dsn=dsn,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == str(cli.event(proc.stderr, "fence_taken")["fence"])
+
+    def test_the_old_variable_still_fences_with_a_warning(self, dsn, key):
+        """JOBRUN_FENCING=1 works as before, and the run says to use JOBRUN_FENCE."""
+        proc = cli.run(
+            "--key", key, "--", sys.executable, "-c",
+            "import os; print(os.environ['JOBRUN_FENCE_TOKEN'])",
+            dsn=dsn, env={"JOBRUN_FENCING": "1"},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert int(proc.stdout) == cli.event(proc.stderr, "fence_taken")["fence"]
+        warning = cli.event(proc.stderr, "deprecated_variable")
+        assert (warning["variable"], warning["use_instead"]) == ("JOBRUN_FENCING", "JOBRUN_FENCE")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 
@@ -163,6 +164,25 @@ class TestLabels:
         """`jobrun status lock-id:1,lock-id:2` is accepted (it used to be refused)."""
         result = jobrun_cli.run(command, "lock-id:1,lock-id:2", dsn=dsn)
         assert result.returncode == 0, result.stderr
+
+    @pytest.mark.parametrize(
+        ("written", "recorded"),
+        [("b,a", "a,b"), ("a,b", "a,b"), ("lock-id:+5,a", "a,lock-id:5"), ("a,a", "a")],
+    )
+    def test_labels_are_normalized_to_the_locking_order(self, written, recorded):
+        """A label names the same run whichever order its parts are written in."""
+        assert keys.normalized_label(written) == recorded
+
+    def test_status_finds_a_multi_key_run_in_any_order(self, dsn, key):
+        """`status 'b,a'` shows the run of --key a --key b, not an empty row."""
+        first, second = sorted((f"{key}-1", f"{key}-2"), key=keys.lock_id_for)
+        ran = jobrun_cli.run("--key", first, "--key", second, "--", "true", dsn=dsn)
+        assert ran.returncode == 0, ran.stderr
+        result = jobrun_cli.run("status", "--json", f"{second},{first}", dsn=dsn)
+        assert result.returncode == 0, result.stderr
+        (row,) = json.loads(result.stdout)
+        assert row["key"] == f"{first},{second}"
+        assert row["last_outcome"] == "succeeded"
 
 
 class TestRunIds:

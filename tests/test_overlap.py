@@ -951,3 +951,41 @@ class TestScenarios:
             assert report["cycles"] == [], report["cycles"]
             assert outcomes == ["clean"] * len(outcomes), report["attempts"]
             assert exit_status(result) == 0
+
+
+def _screen(raw: bytes) -> list[str]:
+    """The lines a terminal shows for ``raw``: each line as its last carriage return left it."""
+    text = raw.decode().replace("\r\n", "\n")
+    return [line.rsplit("\r", 1)[-1].replace("\x1b[K", "") for line in text.split("\n")]
+
+
+class TestProgressOnATerminal:
+    """On a terminal (stdout and stderr together), each attempt is listed once."""
+
+    def test_each_attempt_shows_once(self, dsn):
+        """The progress line is replaced and erased; the report lists attempt 1 and 2 once."""
+        import pty  # noqa: PLC0415 - POSIX only, as this test
+
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen(
+            [*jobrun_cli.JOBRUN, "overlap", "--first", "true", "--second", "true", "--runs", "2"],
+            env=jobrun_cli.environment(dsn),
+            stdin=subprocess.DEVNULL,
+            stdout=follower,
+            stderr=follower,
+        )
+        os.close(follower)
+        raw = b""
+        try:
+            while chunk := os.read(leader, 4096):
+                raw += chunk
+        except OSError:  # EIO: the terminal's last writer is gone
+            pass
+        finally:
+            os.close(leader)
+            proc.wait(timeout=60)
+        screen = _screen(raw)
+        assert proc.returncode == 0, screen
+        listed = [line for line in screen if not line.startswith("note:")]
+        for number in (1, 2):
+            assert sum(f"attempt {number}" in line for line in listed) == 1, screen

@@ -219,14 +219,14 @@ class TestChildEnvironment:
         assert not marker.exists()
 
     def test_stale_jobrun_variables_never_reach_the_child(self, dsn, key):
-        """JOBRUN_FENCE, JOBRUN_SLOT and a foreign JOBRUN_RUN_ID inherited: not the child's."""
+        """An inherited JOBRUN_FENCE_TOKEN, JOBRUN_SLOT or JOBRUN_RUN_ID is not the child's."""
         ran = jobrun_cli.run(
             *("--key", key, "--", sys.executable, "-c", CHILD),
             dsn=dsn,
-            env={"JOBRUN_FENCE": "999", "JOBRUN_SLOT": "7", "JOBRUN_RUN_ID": "stale"},
+            env={"JOBRUN_FENCE_TOKEN": "999", "JOBRUN_SLOT": "7", "JOBRUN_RUN_ID": "stale"},
         )
         seen = child_env(ran.stdout)
-        assert "JOBRUN_FENCE" not in seen
+        assert "JOBRUN_FENCE_TOKEN" not in seen
         assert "JOBRUN_SLOT" not in seen
         assert seen["JOBRUN_RUN_ID"] == run_id_of(ran.stderr)
 

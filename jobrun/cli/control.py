@@ -55,18 +55,20 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
 
     The run reads the request at its next heartbeat, stops its child (SIGTERM to the group,
     SIGKILL after its --kill-after), logs who asked and ends with outcome stopped (exit 77).
-    Exit status: 0 the run ended; 1 nothing held KEY (that this role may see); 3 it did
-    not end within --wait (with --force: its lock was then taken away), or it was not
-    asked: its holder could not be shown, from the server's records, to be a run of KEY.
-    Recorded as who asked: this database role (session_user); $USER only as a claim.
+    Exit status: 0 the run ended; 1 nothing held KEY (that this role may see), or no run of
+    it was ever recorded; 3 it did not end within --wait (with --force: its lock was then
+    taken away), or it was not asked: its holder could not be shown, from the server's
+    records, to be a run of KEY. Recorded as who asked: this database role (session_user);
+    $USER only as a claim.
     """
-    from jobrun import control, keys
+    from jobrun import control, keys, records
     from jobrun.escape import printable
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
     ) as conn:
+        records.require_recorded(conn, key_label)
         holder = control.holder_of(conn, key_label)
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
@@ -120,29 +122,33 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     help="Pause until this ISO 8601 time (without a zone: this machine's local time).",
 )
 @reason_option
+@click.option("--new", is_flag=True, help="KEY has not run yet: pause it all the same.")
 @options.database
 def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     key_label: str,
     for_: float | None,
     until: str | None,
     reason: str | None,
+    new: bool,
     dsn: str,
     connect_timeout: float,
 ) -> int:
     """Pause KEY: its runs skip (reason paused, the skip status) until resumed.
 
-    A run already going is not affected; paused skips never build a skip streak.
+    A run already going is not affected; paused skips never build a skip streak. A KEY
+    that never ran is refused (exit 1: a typo?) unless --new says it is a new job.
     """
-    from jobrun import control, keys
+    from jobrun import control, keys, records
     from jobrun.escape import printable
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     if for_ is not None and until is not None:
         raise UsageError("--for and --until exclude each other")
     until_at = _time(until) if until is not None else None
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
     ) as conn:
+        records.require_recorded(conn, key_label, unless=new, hint="; --new pauses a new job")
         since, ends, by = control.pause(
             conn, key_label, seconds=for_, until=until_at, reason=reason
         )
@@ -156,12 +162,13 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
 @options.database
 def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
     """End the pause of KEY: its next run goes ahead."""
-    from jobrun import control, keys
+    from jobrun import control, keys, records
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-resume", doing="resuming the key"
     ) as conn:
+        records.require_recorded(conn, key_label)
         was_paused = control.resume(conn, key_label)
     click.echo(f"resumed {key_label}" if was_paused else f"{key_label} was not paused")
     return 0

@@ -14,9 +14,11 @@ from jobrun.exitcodes import UsageError
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-#: ctx.meta keys: the guarded command's argv; the group's options given before a subcommand.
+#: ctx.meta keys: the guarded command's argv; the group's options given before a subcommand;
+#: set when jobrun was started with no argument at all.
 ARGV = "jobrun.argv"
 BEFORE = "jobrun.before"
+BARE = "jobrun.bare"
 #: The group's options that name the keys of a run.
 KEY_OPTIONS = ("key_names", "lock_ids")
 
@@ -64,6 +66,8 @@ class JobrunGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """Take ``-- COMMAND...`` aside, or note the options given before a subcommand."""
+        if not args:
+            ctx.meta[BARE] = True
         split = args.index("--") if "--" in args else len(args)
         opts, positional, _ = self.make_parser(ctx).parse_args(args=list(args[:split]))
         if positional:  # `jobrun [OPTIONS] SUBCOMMAND ...`

@@ -108,7 +108,10 @@ def _wrapped_signal_exit(exc: BaseException) -> int | None:
 
 
 class _CheckedStdout(io.TextIOWrapper):
-    """Standard output whose write errors are output errors (exit 74 / 141), not bugs."""
+    """Standard output whose write errors are output errors (exit 74 / 141), not bugs.
+
+    Characters its encoding cannot hold are written as backslash escapes.
+    """
 
     closed_at_start = False
 
@@ -151,7 +154,9 @@ def _guarded_stdout(*, closed: bool) -> Iterator[None]:
     checked = _CheckedStdout(
         cast("Any", buffer),
         encoding=getattr(original, "encoding", None) or "utf-8",
-        errors=getattr(original, "errors", None) or "strict",
+        # A character the terminal's encoding lacks (PYTHONIOENCODING=latin-1, a C locale)
+        # is shown escaped, never a failed command.
+        errors="backslashreplace",
         line_buffering=bool(getattr(original, "line_buffering", False)),
     )
     checked.closed_at_start = closed

@@ -38,19 +38,21 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     """What is held right now, and how each key's runs went.
 
     Without KEY: every key in the run history, every key leased now, and every advisory
-    lock held by a jobrun session. A multi-key run is one KEY, comma-joined in locking
-    order (as its event lines and this table show it); lock-id:N names a --lock-id key.
+    lock held by a jobrun session. A multi-key run is one KEY, its keys joined by commas in
+    any order (shown in locking order, as in its event lines); lock-id:N names a --lock-id key.
     """
     import json
 
-    from jobrun import keys, status
+    from jobrun import keys, records, status
 
-    for label in key_labels:
-        keys.validate_label(label)
+    key_labels = tuple(keys.normalized_label(label) for label in key_labels)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-status", doing="reading the status"
     ) as conn:
         found = status.collect(conn, key_labels)
+        unknown = [
+            label for label in key_labels if check and not records.ever_recorded(conn, label)
+        ]
     for note in found.notes:
         click.echo(f"jobrun: note: {printable(note)}", err=True)
     if as_json:
@@ -65,6 +67,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
         # A check that could not look is no all-clear (the notes above say what was refused).
         problems = [f"cannot check: {what} not readable" for what in found.unreadable]
         problems += status.check_lines(found.keys, alert_after)
+        problems += [str(records.NeverRecorded(label)) for label in unknown]
         for line in problems:
             click.echo(f"jobrun: {line}", err=True)
         return int(Exit.ATTENTION) if problems else 0
@@ -113,9 +116,9 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
 
     from jobrun import keys, status
 
-    keys.validate_label(key_label)
+    key_label = keys.normalized_label(key_label)
     if other_label is not None:
-        keys.validate_label(other_label)
+        other_label = keys.normalized_label(other_label)
     elif since is not None:
         raise UsageError("--since goes with --overlapping")
     if other_label is not None:
@@ -199,7 +202,7 @@ def deadlocks_command(
 
 
 @click.command("show", cls=Subcommand, takes=("dsn", "connect_timeout"))
-@click.argument("run_id")
+@click.argument("run_id", metavar="RUN_ID|KEY")
 @click.option(
     "--raw",
     is_flag=True,
@@ -208,23 +211,19 @@ def deadlocks_command(
 )
 @options.database
 def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> int:
-    """Print the output tails a failed run kept (--keep-output), by its run id.
+    """Print the output tails a failed run kept (--keep-output), by its run id or KEY.
 
-    The run id is in every event line of the run (run_id) and in `jobrun history`.
-    Bytes that are not UTF-8 are shown as U+FFFD, and control characters other than
-    newline and tab as escapes (\\x1b): the output cannot drive the terminal. Exit 1 if
-    the run kept no output.
+    RUN_ID: the run id of its event lines, or its first digits as `jobrun history` shows
+    them (at least 4; exit 64 if they start more than one run). KEY: the newest run of KEY
+    that kept output. Bytes that are not UTF-8 are shown as U+FFFD, and control characters
+    other than newline and tab as escapes (\\x1b): the output cannot drive the terminal.
+    Exit 1 if the run kept no output or nothing matches.
     """
     import sys
-    import uuid
 
-    from jobrun import tenants
+    from jobrun import runids, tenants
     from jobrun.status import kept
 
-    try:
-        run_id = str(uuid.UUID(run_id))
-    except ValueError:
-        raise UsageError(f"{run_id!r} is not a run id (a UUID, as in the run's events)") from None
     if raw and sys.stdout.isatty():
         raise UsageError(
             "--raw writes the job's bytes as they are, terminal escapes included: "
@@ -233,6 +232,7 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
+        run_id = runids.resolve(conn, run_id)
         run = tenants.read_output(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)

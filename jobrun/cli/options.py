@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from jobrun import db
 
 MODES = ("session", "lease")
+#: --fence's variable before it was named after the flag: still read, with a warning event.
+OLD_FENCE_VARIABLE = "JOBRUN_FENCING"
 #: ctx.meta key: the group's context, when a subcommand follows the group's options.
 SUBCOMMAND_FOLLOWS = "jobrun.subcommand_follows"
 
@@ -31,7 +33,14 @@ def target(dsn: str, connect_timeout: float, *, warn: bool = True) -> db.Target:
     """
     from jobrun import db
 
-    built = db.Target(dsn=dsn, connect_timeout=connect_timeout)
+    def still_connecting() -> None:
+        click.echo(
+            f"jobrun: still connecting to {db.describe(built)} (no answer yet; "
+            f"giving up after --connect-timeout {durations.format_seconds(connect_timeout)})",
+            err=True,
+        )
+
+    built = db.Target(dsn=dsn, connect_timeout=connect_timeout, on_slow_connect=still_connecting)
     context = click.get_current_context(silent=True)
     on_command_line = (
         context is not None and context.get_parameter_source("dsn") == ParameterSource.COMMANDLINE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from typing import TYPE_CHECKING
 
 import click
@@ -10,8 +12,6 @@ from jobrun.cli import options
 from jobrun.cli.group import Subcommand
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from jobrun import overlap
 
 
@@ -102,7 +102,12 @@ def overlap_command(
         delay=delay,
         alternate=order == "alternate",
     )
-    report = overlap.run(plan, progress=None if as_json else _progress(runs))
+    progress = None if as_json else _Progress(runs)
+    try:
+        report = overlap.run(plan, progress=progress)
+    finally:
+        if progress is not None:
+            progress.end()
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
     else:
@@ -110,15 +115,38 @@ def overlap_command(
     return report.exit_status
 
 
-def _progress(runs: int) -> Callable[[overlap.Attempt], None]:
-    """One stderr line per finished attempt, so a long run shows it is alive."""
-    from jobrun import overlap
+class _Progress:
+    """A stderr line per finished attempt, so a long run shows it is alive.
 
-    def show(attempt: overlap.Attempt) -> None:
-        click.echo(
-            f"jobrun overlap: attempt {attempt.number}/{runs}: {attempt.outcome} "
-            f"({overlap.summary(attempt)})",
-            err=True,
+    On a terminal each line replaces the one before and the last is erased at the end:
+    the report lists every attempt, and a terminal shows stdout and stderr together.
+    """
+
+    #: Back to the start of the line, and erase it.
+    ERASE = "\r\x1b[K"
+
+    def __init__(self, runs: int) -> None:
+        self._runs = runs
+        self._terminal = sys.stderr.isatty()
+        self._shown = False
+
+    def __call__(self, attempt: overlap.Attempt) -> None:
+        """Show how ``attempt`` ended."""
+        from jobrun import overlap
+
+        line = (
+            f"jobrun overlap: attempt {attempt.number}/{self._runs}: {attempt.outcome} "
+            f"({overlap.summary(attempt)})"
         )
+        if self._terminal:
+            # Cut to the width: a wrapped line could not be erased.
+            width = shutil.get_terminal_size().columns - 1
+            click.echo(f"{self.ERASE}{line[:width]}", nl=False, err=True)
+            self._shown = True
+        else:
+            click.echo(line, err=True)
 
-    return show
+    def end(self) -> None:
+        """Erase the terminal's progress line before the report."""
+        if self._shown:
+            click.echo(self.ERASE, nl=False, err=True)

@@ -9,7 +9,7 @@ from click.core import ParameterSource
 
 from jobrun import __version__, keys
 from jobrun.cli import options, wiring
-from jobrun.cli.group import ARGV, PLACEMENT_RULE, JobrunGroup
+from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 
 #: Variables of the run's keys, and the option each stands for.
@@ -25,6 +25,7 @@ class Settings(NamedTuple):
     dsn_on_command_line: bool
     connect_timeout: float
     wait: float
+    wait_report: float
     timeout: float | None
     kill_after: float
     heartbeat: float
@@ -92,6 +93,15 @@ class Settings(NamedTuple):
     show_default=True,
     metavar="DURATION",
     help="Wait this long for the lock before skipping.",
+)
+@options.option(
+    "--wait-report",
+    envvar="JOBRUN_WAIT_REPORT",
+    type=options.Duration(minimum="1s", why="each report looks the holder up"),
+    default="1m",
+    show_default=True,
+    metavar="DURATION",
+    help="While --wait lasts, say who holds the lock this often (still_waiting events).",
 )
 @options.option(
     "--timeout",
@@ -230,11 +240,9 @@ class Settings(NamedTuple):
 )
 @options.option(
     "--fence",
-    # Not JOBRUN_FENCE: that is the token a guarded child receives (a nested jobrun would
-    # read its own parent's token as this flag).
-    envvar="JOBRUN_FENCING",
+    envvar="JOBRUN_FENCE",
     is_flag=True,
-    help="Give the child a fencing token in JOBRUN_FENCE (greater than any earlier one).",
+    help="Give the child a fencing token in JOBRUN_FENCE_TOKEN (greater than any earlier one).",
 )
 @options.option(
     "--pass-env",
@@ -268,6 +276,7 @@ def cli(
     connect_timeout: float,
     mode: str,
     wait: float,
+    wait_report: float,
     timeout: float | None,
     kill_after: float,
     heartbeat: float | None,
@@ -311,11 +320,18 @@ def cli(
     if ctx.invoked_subcommand is not None:
         return None
     argv: tuple[str, ...] | None = ctx.meta.get(ARGV)
+    if ctx.meta.get(BARE):
+        # A bare `jobrun` is someone finding out how to use it: the usage, not an error.
+        click.echo(
+            f"{ctx.get_usage()}\n\n{_EXAMPLES}\nTry 'jobrun --help' for every option.", err=True
+        )
+        return int(Exit.USAGE)
     if not argv:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
     if not argv[0]:
         raise UsageError("the command after '--' is an empty string")
     run_keys = _keys(ctx, key_names, lock_ids)
+    fence = fence or _old_fence_variable(ctx)
     lifetime = 0.0
     if mode == "lease":
         from jobrun.locks.lease import LeaseTiming
@@ -338,6 +354,7 @@ def cli(
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
         connect_timeout=connect_timeout,
         wait=wait,
+        wait_report=wait_report,
         timeout=timeout or None,
         kill_after=kill_after,
         heartbeat=heartbeat or 1.0,
@@ -388,6 +405,32 @@ def _check_pass_env(ctx: click.Context, names: tuple[str, ...]) -> None:
                 f"{where} {name}: only jobrun's own variables that can hold a secret are "
                 f"withheld ({', '.join(WITHHELD)}); every other variable reaches the child"
             )
+
+
+#: The short usage's examples (the same as the first lines of ``jobrun --help``).
+_EXAMPLES = """\
+  jobrun --key nightly-export -- ./export.sh   run a command, at most one at a time
+  jobrun key nightly-export                    print the lock id of a key
+  jobrun help SUBCOMMAND                       help on a subcommand
+"""
+
+
+def _old_fence_variable(ctx: click.Context) -> bool:
+    """JOBRUN_FENCING, --fence's old variable: read when neither the flag nor JOBRUN_FENCE is.
+
+    (The run logs a ``deprecated_variable`` warning while it is set.)
+    """
+    import os
+
+    raw = os.environ.get(options.OLD_FENCE_VARIABLE)
+    if raw is None or ctx.get_parameter_source("fence") != ParameterSource.DEFAULT:
+        return False
+    try:
+        return bool(click.BOOL.convert(raw, None, ctx))
+    except click.BadParameter:
+        raise UsageError(
+            f"{options.OLD_FENCE_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
+        ) from None
 
 
 def _keys(

@@ -40,6 +40,11 @@ SUBCOMMANDS: dict[str, Lazy] = {
         "drill_command",
         "Rehearse the crash paths on your database: skip, kill -9, lock taken away.",
     ),
+    "forget": Lazy(
+        "jobrun.cli.forget",
+        "forget_command",
+        "Remove all that is recorded of a retired KEY: runs, skips, kept output, pauses.",
+    ),
     "grant": Lazy(
         "jobrun.cli.tenants",
         "grant_command",
@@ -84,7 +89,7 @@ SUBCOMMANDS: dict[str, Lazy] = {
     "show": Lazy(
         "jobrun.cli.ops",
         "show_command",
-        "Print the output tails a failed run kept (--keep-output), by its run id.",
+        "Print the output tails a failed run kept (--keep-output), by its run id or KEY.",
     ),
     "status": Lazy(
         "jobrun.cli.ops",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
+    from jobrun.waiting import WaitReporter
 
 STDERR = 2
 
@@ -76,6 +78,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         mode=settings.mode,
         version=__version__,
     )
+    target = dataclasses.replace(target, on_slow_connect=_still_connecting(target, bound))
     job = runner.Job(
         argv=argv,
         keys=run_keys,
@@ -107,6 +110,10 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
+    if options.OLD_FENCE_VARIABLE in os.environ:
+        bound.warning(
+            "deprecated_variable", variable=options.OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
+        )
     if settings.dsn_on_command_line and target.has_password:
         bound.warning(
             "password_on_command_line",
@@ -132,6 +139,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         pinger=wired.pinger,
         capture=wired.capture,
         fencer=wired.fencer,
+        waiting=_waiting(settings, target, bound),
     )
     wired.after(status)  # the output tail and the end ping, after the release
     return status
@@ -272,3 +280,29 @@ def _pause_check(
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 
     return check
+
+
+def _waiting(
+    settings: Settings, target: db.Target, log: FilteringBoundLogger
+) -> WaitReporter | None:
+    """--wait: the lines a run says while it waits for its lock (none without --wait)."""
+    if settings.wait <= 0:
+        return None
+    from jobrun import waiting
+
+    return waiting.WaitReporter(
+        keys.describe(settings.run_keys), target, log, interval=settings.wait_report
+    )
+
+
+def _still_connecting(target: db.Target, log: FilteringBoundLogger) -> Callable[[], None]:
+    """The run's line for a connection attempt with no answer yet (the address, no secret)."""
+    from jobrun import db
+
+    where = db.describe(target)  # masked: never a password
+    return lambda: log.warning(
+        "still_connecting",
+        target=where,
+        after=db.SLOW_CONNECT,
+        give_up_after=target.connect_timeout,
+    )

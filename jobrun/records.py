@@ -1,0 +1,167 @@
+"""What is recorded of a key: the check that catches a mistyped KEY, and forgetting a key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from psycopg import errors
+
+from jobrun import control
+from jobrun.escape import printable
+from jobrun.exitcodes import Exit, JobrunError
+from jobrun.sql import records as statements
+
+if TYPE_CHECKING:
+    import psycopg
+
+    Connection = psycopg.Connection[Any]
+
+
+class NeverRecorded(JobrunError):
+    """Nothing was ever recorded of a key: most likely a typo (exit 1)."""
+
+    exit_code = Exit.ATTENTION
+
+    def __init__(self, label: str, hint: str = "") -> None:
+        super().__init__(f"no run of {label} was ever recorded (is the key spelled right?){hint}")
+
+
+class KeyHeld(JobrunError):
+    """``forget`` refused: a run holds the key now (exit 1)."""
+
+    exit_code = Exit.ATTENTION
+
+
+def ever_recorded(conn: Connection, label: str) -> bool:
+    """Whether ``label`` names a key jobrun knows: recorded, paused, expected, or held now.
+
+    A run with ``--no-history`` leaves no row: its lease or advisory lock, while it holds
+    the key, is what counts then. A history this role may not read is no proof of a typo:
+    True.
+    """
+    for statement in (statements.RECORDED_IN_HISTORY, statements.RECORDED_IN_CONTROL):
+        try:
+            row = conn.execute(statement, {"key": label}).fetchone()
+        except errors.UndefinedTable:
+            continue
+        except errors.InsufficientPrivilege:
+            return True
+        if row and row[0]:
+            return True
+    return control.holder_of(conn, label) is not None
+
+
+def require_recorded(conn: Connection, label: str, *, unless: bool = False, hint: str = "") -> None:
+    """Raise NeverRecorded unless ``label`` was ever recorded (see ever_recorded) or ``unless``.
+
+    ``hint`` ends the error line (how to go ahead all the same).
+    """
+    if not unless and not ever_recorded(conn, label):
+        raise NeverRecorded(label, hint)
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """The rows ``forget`` removed, per table."""
+
+    runs: int = 0
+    skips: int = 0
+    kept_output: int = 0
+    pauses: int = 0
+    expectations: int = 0
+    stop_requests: int = 0
+    expired_leases: int = 0
+
+    @property
+    def total(self) -> int:
+        """Every row removed (kept output lives in run rows: not counted twice)."""
+        return (
+            self.runs
+            + self.skips
+            + self.pauses
+            + self.expectations
+            + self.stop_requests
+            + self.expired_leases
+        )
+
+    def describe(self) -> str:
+        """``3 runs (1 with kept output), 2 skips, 1 pause, ...``: every table, even at 0."""
+        parts = [
+            _count(self.runs, "run") + f" ({self.kept_output} with kept output)",
+            _count(self.skips, "skip"),
+            _count(self.pauses, "pause"),
+            _count(self.expectations, "expectation"),
+            _count(self.stop_requests, "stop request"),
+            _count(self.expired_leases, "expired lease"),
+        ]
+        return ", ".join(parts)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def forget(conn: Connection, label: str) -> Forgotten:
+    """Remove everything recorded of ``label``, in one transaction, unless a run holds it.
+
+    Raises KeyHeld while a session-mode run holds one of its lock ids or a lease of it is
+    live: the key is not retired. The key's lock ids are held (transaction-scoped) until
+    the commit, so no run of it can start halfway.
+    """
+    lock_ids = control.candidate_ids(label)
+    params = {"key": label, "lock_ids": lock_ids}
+    with conn.transaction():
+        row = conn.execute(statements.FORGET_LOCK_IDS, params).fetchone()
+        if not (row and row[0]):
+            raise KeyHeld(
+                f"{label} is held by a running job (session mode): forget only a retired "
+                f"key; stop it first (jobrun stop {label}) or wait for it to end"
+            )
+        lease = _one(conn, statements.FORGET_LIVE_LEASE, params)
+        if lease is not None:
+            owner, host, pid = (printable(value) for value in lease)
+            raise KeyHeld(
+                f"{label} is held by run {owner} on {host} (pid {pid}, lease mode): forget "
+                f"only a retired key; stop it first (jobrun stop {label}) or wait for it to end"
+            )
+        runs, skips, kept = _runs(conn, params)
+        return Forgotten(
+            runs=runs,
+            skips=skips,
+            kept_output=kept,
+            pauses=_deleted(conn, statements.FORGET_PAUSES, params),
+            expectations=_deleted(conn, statements.FORGET_EXPECTATIONS, params),
+            stop_requests=_deleted(conn, statements.FORGET_STOP_REQUESTS, params),
+            expired_leases=_deleted(conn, statements.FORGET_LEASES, params),
+        )
+
+
+def _runs(conn: Connection, params: dict[str, Any]) -> tuple[int, int, int]:
+    """Runs, skips and runs with kept output removed from jobrun.runs."""
+    for kept in (statements.FORGET_RUNS_KEPT, statements.FORGET_RUNS_NONE_KEPT):
+        row = _one(conn, statements.FORGET_RUNS.format(kept=kept), params, column=kept)
+        if row is not _MISSING_COLUMN:
+            return (0, 0, 0) if row is None else (int(row[0]), int(row[1]), int(row[2]))
+    return (0, 0, 0)  # pragma: no cover - the second form names no optional column
+
+
+_MISSING_COLUMN: Any = object()
+
+
+def _one(conn: Connection, statement: str, params: dict[str, Any], *, column: str = "") -> Any:
+    """The statement's one row (None: no row, or its table does not exist)."""
+    try:
+        with conn.transaction():  # a savepoint: a missing table must not end the transaction
+            return conn.execute(statement, params).fetchone()
+    except errors.UndefinedTable:
+        return None
+    except errors.UndefinedColumn:
+        if column:
+            return _MISSING_COLUMN
+        raise
+
+
+def _deleted(conn: Connection, statement: str, params: dict[str, Any]) -> int:
+    row = _one(conn, statement, params)
+    return int(row[0]) if row else 0

@@ -1,0 +1,55 @@
+"""Statements about all that is recorded of one key: whether anything is, and forgetting it."""
+
+from __future__ import annotations
+
+#: Whether the run history has any row (a run or a skip) of the key label.
+RECORDED_IN_HISTORY = "SELECT EXISTS (SELECT 1 FROM jobrun.runs WHERE key = %(key)s)"
+
+#: Whether the key label is paused or has an expectation (``pause --new`` before any run).
+RECORDED_IN_CONTROL = """
+SELECT EXISTS (SELECT 1 FROM jobrun.pauses WHERE key = %(key)s)
+    OR EXISTS (SELECT 1 FROM jobrun.expectations WHERE key = %(key)s)
+"""
+
+#: ``forget``: inside its transaction, every lock id of the key (and of its slots) taken
+#: transaction-scoped. It fails while a session-mode run holds one, and while it is held
+#: no run of the key can start in either mode (lease mode takes the same ids first).
+FORGET_LOCK_IDS = """
+SELECT bool_and(pg_try_advisory_xact_lock(id)) FROM unnest(%(lock_ids)s::int8[]) AS id
+"""
+
+#: ``forget``: a live lease of the key (lease mode) refuses it.
+FORGET_LIVE_LEASE = """
+SELECT owner, host, pid FROM jobrun.leases
+WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND expires_at > clock_timestamp()
+LIMIT 1
+"""
+
+#: ``forget``, one table at a time (each may be missing): the rows removed, counted.
+FORGET_RUNS = """
+WITH gone AS (DELETE FROM jobrun.runs WHERE key = %(key)s RETURNING outcome, {kept})
+SELECT count(*) FILTER (WHERE outcome <> 'skipped'), count(*) FILTER (WHERE outcome = 'skipped'),
+       count(*) FILTER (WHERE kept)
+FROM gone
+"""
+#: The ``kept`` column of FORGET_RUNS: whether the row held output tails (``--keep-output``).
+FORGET_RUNS_KEPT = "stdout_tail IS NOT NULL OR stderr_tail IS NOT NULL AS kept"
+FORGET_RUNS_NONE_KEPT = "false AS kept"
+FORGET_PAUSES = """
+WITH gone AS (DELETE FROM jobrun.pauses WHERE key = %(key)s RETURNING 1)
+SELECT count(*) FROM gone
+"""
+FORGET_EXPECTATIONS = """
+WITH gone AS (DELETE FROM jobrun.expectations WHERE key = %(key)s RETURNING 1)
+SELECT count(*) FROM gone
+"""
+FORGET_STOP_REQUESTS = """
+WITH gone AS (DELETE FROM jobrun.stop_requests WHERE key = %(key)s RETURNING 1)
+SELECT count(*) FROM gone
+"""
+#: Expired leases of the key left behind by runs that died (a live one refused the forget).
+FORGET_LEASES = """
+WITH gone AS (DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s::int8[])
+              AND expires_at <= clock_timestamp() RETURNING 1)
+SELECT count(*) FROM gone
+"""
