@@ -203,6 +203,54 @@ def _lead_with_time_level_event(
     return {**lead, **event_dict}
 
 
+#: Fields every line of a run carries, which a person at a terminal does not need on each
+#: line (the JSON and logfmt lines keep them): the lock id, this host, jobrun's pid, the
+#: lock mode and jobrun's version.
+_CONTEXT_FOR_MACHINES = frozenset({"lock_id", "host", "pid", "mode", "version"})
+#: A run id on a console line: the characters `jobrun history` shows and `jobrun show` takes.
+_SHORT_RUN_ID = 8
+
+
+def _for_a_person(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    """Console lines: time to the second, the key after the event, no empty fields.
+
+    A line leads with what a person scans for (when, how bad, what, which job) and fits a
+    120-column terminal: the run's fixed context is left out, and the run id shortened.
+    """
+    lead: dict[str, Any] = {}
+    if "timestamp" in event_dict:
+        lead["timestamp"] = str(event_dict.pop("timestamp")).split(".", 1)[0].rstrip("Z") + "Z"
+    for name in ("level", "event", "key"):
+        if name in event_dict:
+            lead[name] = event_dict.pop(name)
+    run_id = event_dict.pop("run_id", None)
+    if event_dict.get("child_exit_code") == event_dict.get("exit_code"):
+        event_dict.pop("child_exit_code", None)  # said once is enough
+    rest = {
+        name: value
+        for name, value in event_dict.items()
+        if name not in _CONTEXT_FOR_MACHINES and value is not None and value != ""
+    }
+    if run_id:
+        rest["run_id"] = str(run_id)[:_SHORT_RUN_ID]
+    return {**lead, **rest}
+
+
+def colors_wanted(fd: int) -> bool:
+    """Colour on a terminal, unless ``NO_COLOR`` is set to anything (no-color.org)."""
+    return os.isatty(fd) and not os.environ.get("NO_COLOR")
+
+
+def _console_renderer(*, colors: bool) -> Processor:
+    """The console renderer, unpadded: a 120-column line holds the fields."""
+    try:
+        return structlog.dev.ConsoleRenderer(
+            colors=colors, sort_keys=False, pad_event_to=0, pad_level=False
+        )
+    except TypeError:  # structlog before 25 names it pad_event and cannot unpad the level
+        return structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, pad_event=0)
+
+
 class _LibraryWarnings(logging.Handler):
     """Turn warnings that libraries send to ``logging`` into our own event lines.
 
@@ -246,7 +294,7 @@ def configure(
             key_order=["timestamp", "level", "event"], bool_as_flag=False
         )
     elif fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=os.isatty(target))
+        renderer = _console_renderer(colors=colors_wanted(target))
     else:  # pragma: no cover - click restricts the choices
         raise UsageError(f"unknown log format {fmt!r}")
     processors: list[Processor] = [
@@ -255,7 +303,7 @@ def configure(
         _safe_strings,
         redactor(secrets),
         *(() if fmt == "json" else (_printable_fields,)),
-        _lead_with_time_level_event,
+        _for_a_person if fmt == "console" else _lead_with_time_level_event,
         renderer,
     ]
     logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pty
 
 import pytest
 
@@ -81,3 +82,57 @@ class TestBytesThatAreNotUtf8:
         """Text that is valid UTF-8 comes back unchanged."""
         assert log.safe_text("nightly-экспорт") == "nightly-экспорт"
         assert log.safe_text("a\udcffb") == "a\\xffb"
+
+
+RUN_CONTEXT = {
+    "key": "nightly-export",
+    "lock_id": -9211252734361870055,
+    "run_id": "72e34052-3aec-46db-b812-dc2cab459d5e",
+    "host": "web1.example.internal",
+    "pid": 14365,
+    "mode": "session",
+    "version": "0.1.0",
+}
+
+
+def console_line(fd: int | None = None, **fields: object) -> str:
+    """One ``finished`` line of a run, rendered for the console."""
+    reader, writer = os.pipe()
+    logger = log.configure(fmt="console", fd=writer if fd is None else fd).bind(**RUN_CONTEXT)
+    logger.info(
+        "finished", outcome="succeeded", exit_code=0, child_exit_code=0, signal=None, **fields
+    )
+    os.close(writer)
+    return os.read(reader, 65536).decode()
+
+
+class TestConsoleLines:
+    """Console lines are for a person at a terminal: what matters first, nothing empty."""
+
+    def test_a_line_leads_with_time_level_event_and_key(self):
+        """The key comes right after the event name, before the event's own fields."""
+        line = console_line()
+        assert line.index("finished") < line.index("key=nightly-export") < line.index("outcome=")
+
+    def test_empty_fields_and_the_runs_fixed_context_are_left_out(self):
+        """No signal=None, no host/pid/lock id/version on every line, exit code said once."""
+        line = console_line()
+        for absent in ("signal=", "host=", "pid=", "lock_id=", "version=", "child_exit_code="):
+            assert absent not in line
+        assert "run_id=72e34052" in line.split()  # the 8 characters `jobrun show` takes
+
+    def test_a_finished_line_fits_120_columns(self):
+        """The usual end of a run, with a realistic key, fits a 120-column terminal."""
+        assert len(console_line(duration=1234.567).rstrip("\n")) <= 120
+
+    def test_no_color_is_honoured_on_a_terminal(self, monkeypatch):
+        """On a terminal the line is coloured, unless NO_COLOR is set (no-color.org)."""
+        parent, child = pty.openpty()
+        try:
+            monkeypatch.delenv("NO_COLOR", raising=False)
+            assert log.colors_wanted(child)
+            monkeypatch.setenv("NO_COLOR", "1")
+            assert not log.colors_wanted(child)
+        finally:
+            os.close(parent)
+            os.close(child)
