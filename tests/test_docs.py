@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +36,40 @@ class TestReadme:
         block = README.split("<!-- exit-codes")[1].split("<!-- /exit-codes -->")[0]
         rows = re.findall(r"^\| (.+?) \| (.+?) \|$", block, flags=re.MULTILINE)
         assert rows[1:] == list(TABLE)  # after the header row
+
+    def test_the_crontab_recipe_keeps_events_and_job_output_apart(self, dsn, key, tmp_path):
+        """Run as cron would (its variables, then the line): the event file holds only events."""
+        block = README.split("### A crontab line")[1].split("```")[1]
+        # cron's PATH= line is the recipe's; where this venv put jobrun comes first here.
+        env = {"HOME": str(tmp_path)}
+        line = ""
+        for text in block.strip().splitlines():
+            name, equals, value = text.partition("=")
+            if equals and name.isidentifier():
+                env[name] = shlex.split(value)[0] if value else ""
+            else:
+                line = text
+        assert env.get("JOBRUN_LOG_FILE"), "the recipe names a file for jobrun's events"
+        events_file = tmp_path / "events.log"
+        env.update(JOBRUN_DSN=dsn, JOBRUN_LOG_FILE=str(events_file))
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', os.defpath)}"
+        words = shlex.split(line)[5:]  # after the five schedule fields
+        words[words.index("--key") + 1] = key
+        child = [sys.executable, "-c", "import sys; print('out'); sys.stderr.write('ERROR: x\\n')"]
+        command = shlex.join([*words[: words.index("--") + 1], *child])
+        ran = subprocess.run(
+            ["/bin/sh", "-c", command],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout == "out\n"
+        assert ran.stderr == "ERROR: x\n"  # the job's, for cron to mail
+        events = [json.loads(text) for text in events_file.read_text().splitlines()]
+        assert [event["event"] for event in events] == ["started", "finished"]
 
     def test_ci_runs_the_readme_test_command(self):
         """.ci/run ends with the test command the README gives."""
