@@ -275,14 +275,17 @@ class TestLostBeforeTheChildStarts:
 
 def _row_lock_waiters(conn: psycopg.Connection[tuple[object, ...]]) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted"
+        # This database's only: other test sessions may share the server.
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted "
+        "AND pid IN (SELECT pid FROM pg_stat_activity WHERE datname = current_database())"
     ).fetchone()
     return int(row[0]) if row else 0
 
 
 def _advisory_waiters(conn: psycopg.Connection[tuple[object, ...]]) -> int:
     row = conn.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     ).fetchone()
     return int(row[0]) if row else 0
 

@@ -304,15 +304,23 @@ class TestNames:
         assert int(proc.stdout) == cli.event(proc.stderr, "fence_taken")["fence"]
 
     def test_a_jobrun_inside_a_fenced_child_runs(self, dsn, key):
-        """The token the child receives is not read as the nested jobrun's --fence."""
+        """The token the child receives is not read as the nested jobrun's --fence.
+
+        The nested run takes no token of its own, so its child gets none: a token reaches
+        only the child of the run that took it.
+        """
         inner = f"{key}-inner"
         proc = cli.run(
-            "--key", key, "--fence", "--", *cli.JOBRUN, "--key", inner, "--",
+            "--key", key, "--fence", "--pass-env", "JOBRUN_DSN", "--", *cli.JOBRUN,
+            "--key", inner, "--",
             sys.executable, "-c", "import os; print(os.environ.get('JOBRUN_FENCE_TOKEN'))",
             dsn=dsn,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == str(cli.event(proc.stderr, "fence_taken")["fence"])
+        assert cli.event(proc.stderr, "fence_taken")["fence"] > 0
+        started = [line["key"] for line in cli.events(proc.stderr) if line["event"] == "started"]
+        assert sorted(started) == sorted([key, inner])  # both ran, each with its own key
+        assert proc.stdout.strip() == "None"
 
     def test_the_old_variable_still_fences_with_a_warning(self, dsn, key):
         """JOBRUN_FENCING=1 works as before, and the run says to use JOBRUN_FENCE."""

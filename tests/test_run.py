@@ -238,8 +238,9 @@ def advisory_waiters(dsn: str, name: str | None = None) -> list[int]:
     """
     with psycopg.connect(dsn) as conn:
         if name is None:
-            rows = conn.execute(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            rows = conn.execute(  # this database's only: other test sessions share the server
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             ).fetchall()
         else:
             rows = conn.execute(

@@ -172,10 +172,11 @@ class TestAttacksOfAnotherTeam:
 
     def test_resume_of_team_a_pause_leaves_it_paused(self, teams):
         """team_b's resume of team_a's paused key deletes nothing: team_a's runs still skip."""
-        _ok(jobrun_cli.run("pause", "a-victim", dsn=teams.a))
+        _ok(jobrun_cli.run("pause", "--new", "a-victim", dsn=teams.a))
         resumed = jobrun_cli.run("resume", "a-victim", dsn=teams.b)
-        _ok(resumed)
-        assert "was not paused" in resumed.stdout
+        # team_b sees no row of the key at all: to its eyes the key never ran.
+        assert resumed.returncode == 1, resumed.stderr
+        assert "no run of a-victim was ever recorded" in resumed.stderr
         skipped = jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a)
         assert skipped.returncode == 75, skipped.stderr
         assert event(skipped.stderr, "skipped")["reason"] == "paused"
@@ -238,7 +239,7 @@ class TestAttacksOfAnotherTeam:
 
     def test_pause_of_team_a_key_is_refused(self, teams):
         """jobrun pause a-victim as team_b fails, and team_a's next run goes ahead."""
-        paused = jobrun_cli.run("pause", "a-victim", dsn=teams.b)
+        paused = jobrun_cli.run("pause", "--new", "a-victim", dsn=teams.b)
         assert paused.returncode == 69, paused.stderr
         assert "row-level security" in paused.stderr
         _ok(jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a))
@@ -334,7 +335,7 @@ class TestWhoAsked:
 
     def test_pause_shows_the_role(self, teams):
         """jobrun pause says which role paused the key."""
-        paused = jobrun_cli.run("pause", "b-x", dsn=teams.b, env={"USER": "root"})
+        paused = jobrun_cli.run("pause", "--new", "b-x", dsn=teams.b, env={"USER": "root"})
         _ok(paused)
         assert f"(by role {Teams.role_of(teams.b)})" in paused.stdout
 
