@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobrun.deadlocks.printable import printable as _printable
 from jobrun.deadlocks.scan import find
 from jobrun.deadlocks.sources import NoInputError
 from jobrun.exitcodes import OutputError
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side
-
-#: C0 and C1 control characters but the tab, and DEL: a log's text never reaches a
-#: terminal with them raw (an ESC could rewrite the screen, a CR hide a line).
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def run(
@@ -136,8 +132,3 @@ def _pairs(deadlocks: Iterable[Deadlock]) -> dict[str, int]:
         label = _printable(" <-> ".join(names))
         counts[label] = counts.get(label, 0) + 1
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
-
-
-def _printable(text: str) -> str:
-    """The text with every control character but the tab shown as a visible ``\\xNN``."""
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)

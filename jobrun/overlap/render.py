@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from jobrun.overlap import advice
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -46,6 +48,7 @@ def text(report: Report) -> str:
         if report.count(outcome)
     ]
     lines += _cycle_lines(report)
+    lines += advice.lines(report)
     lines += _error_lines(report)
     lines += [f"note: {note}" for note in report.notes()]
     if report.exit_status:

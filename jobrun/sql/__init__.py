@@ -79,6 +79,8 @@ from jobrun.sql.lease import (
     SESSION_HOLDER_OF_ANY,
 )
 from jobrun.sql.overlap import (
+    OVERLAP_FOREIGN_KEYS,
+    OVERLAP_ROW_KEY,
     OVERLAP_SESSIONS,
     OVERLAP_TERMINATE,
     OVERLAP_TIMEOUTS,
@@ -139,6 +141,8 @@ __all__ = [
     "LEASE_RENEW_OR_STOP",
     "LOCK",
     "NO_ROWS",
+    "OVERLAP_FOREIGN_KEYS",
+    "OVERLAP_ROW_KEY",
     "OVERLAP_SESSIONS",
     "OVERLAP_TERMINATE",
     "OVERLAP_TIMEOUTS",
