@@ -175,3 +175,13 @@ class TestWalkThrough:
         assert ran.index("crontab") < ran.index(
             "jobrun deadlocks /var/log/postgresql/postgresql-16-main.log"
         )
+
+
+class TestScripts:
+    """The example's jobs run as ``./invoices.py``, the way a crontab or --first names them."""
+
+    @pytest.mark.parametrize("script", sorted(EXAMPLE.glob("*.py")), ids=lambda p: p.name)
+    def test_script_is_executable_with_a_shebang(self, script):
+        """Mode 755 and a ``#!`` line: running it by path does not fail with 126."""
+        assert os.access(script, os.X_OK), f"{script.name} is not executable"
+        assert script.read_text().startswith("#!/usr/bin/env python3\n"), script.name
