@@ -118,9 +118,9 @@ class TestRowKeys:
         assert all(attempt["advice"] is None for attempt in report["attempts"])
 
 
-def wait(job: str, pid: int, lock: Lock, holder: str, holder_pid: int, query: str = "q") -> Wait:
+def wait(job: str, pid: int, lock: Lock, holder: str, holder_pid: int) -> Wait:
     """One edge of a hand-made cycle."""
-    return Wait(job, pid, query, lock, holder, holder_pid)
+    return Wait(job, pid, "q", lock, holder, holder_pid)
 
 
 class TestAdviceText:

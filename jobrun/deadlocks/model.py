@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobrun.deadlocks.sessions import Session
 
 #: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
 JOB_PREFIX = "jobrun:"
@@ -152,6 +155,8 @@ class Found:
     deadlocks: list[Deadlock] = field(default_factory=list)
     files: list[FileRead] = field(default_factory=list)
     storms: list[Storm] = field(default_factory=list)
+    #: Sessions from log_connections / log_disconnections lines, every file together.
+    sessions: list[Session] = field(default_factory=list)
 
     @property
     def unread(self) -> list[FileRead]:

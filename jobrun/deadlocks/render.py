@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobrun.deadlocks import together
 from jobrun.deadlocks.printable import printable as _printable
 from jobrun.deadlocks.scan import find
 from jobrun.deadlocks.sources import NoInputError
@@ -27,20 +28,33 @@ def run(
     as_json: bool,
     check: bool,
     echo: Callable[[str], None],
+    asked: together.Asked | None = None,
 ) -> int:
     """``jobrun deadlocks``: print what the logs hold, and the worst status of any file.
 
     66 or 65 when a file could not be read or understood (every other file's deadlocks are
     printed all the same); else 1 with ``check`` when there is a deadlock; else 0.
+    With ``asked``: also who was connected and what was running at each deadlock.
     """
     paths = list(paths)
-    for path in paths:  # a missing file is a typo: said before any output
+    for path in [*paths, *(asked.files if asked else ())]:  # a typo: said before any output
         if path != "-" and not (Path(path).is_file() and os.access(path, os.R_OK)):
             reason = "no such file" if not Path(path).exists() else "not a readable file"
             raise NoInputError(f"cannot read {path}: {reason}")
     found = find(paths, prefix=prefix)
+    there = (
+        together.gather(found.deadlocks, found.sessions, asked.runs(found.deadlocks))
+        if asked
+        else None
+    )
     try:
-        echo(json.dumps(found.as_json(), indent=2) if as_json else report(found))
+        if as_json:
+            fields = found.as_json()
+            if there is not None:
+                fields["sessions"] = there.as_json()
+            echo(json.dumps(fields, indent=2))
+        else:
+            echo(report(found, there))
         sys.stdout.flush()
     except OSError as exc:
         raise OutputError(f"cannot write the report: {exc.strerror or exc}") from None
@@ -63,11 +77,17 @@ def describe(side: Side) -> str:
     return _printable(f"process {side.pid} ({side.application}{job}{source})")
 
 
-def report(found: Found) -> str:
-    """The deadlocks for people: each side's process, application, lock and statement."""
+def report(found: Found, there: together.Together | None = None) -> str:
+    """The deadlocks for people: each side's process, application, lock and statement.
+
+    With ``there``: under each deadlock who was connected and what was running, and at the
+    end the pairs that were there together.
+    """
     out: list[str] = []
-    for deadlock in found.deadlocks:
+    for number, deadlock in enumerate(found.deadlocks):
         out.extend(_deadlock(deadlock))
+        if there is not None:
+            out.extend(together.moment_lines(there.moments[number], there))
     for storm in found.storms:
         first, last = storm.deadlocks[0].time, storm.deadlocks[-1].time
         out.append(
@@ -83,6 +103,8 @@ def report(found: Found) -> str:
     unread = f", {len(found.unread)} not read" if found.unread else ""
     out.append(f"{len(found.deadlocks)} deadlock(s) in {len(found.files)} file(s){unread}")
     out.extend(f"  {count} x {pair}" for pair, count in _pairs(found.deadlocks).items())
+    if there is not None:
+        out.extend(together.table_lines(there))
     return "\n".join(out)
 
 

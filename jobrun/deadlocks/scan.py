@@ -7,6 +7,7 @@ from typing import IO, TYPE_CHECKING
 
 from jobrun.deadlocks.formats import read_entries
 from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
+from jobrun.deadlocks.sessions import SessionLog
 from jobrun.deadlocks.sources import NoInputError, open_log
 from jobrun.deadlocks.storms import storms
 from jobrun.exitcodes import Exit
@@ -40,8 +41,9 @@ def find(
     """
     found = Found()
     seen: dict[Hashable, Deadlock] = {}
+    sessions = SessionLog()
     for path in paths:
-        scanner = _read(path, prefix, stdin)
+        scanner = _read(path, prefix, stdin, sessions)
         found.files.append(scanner.file)
         for deadlock in scanner.deadlocks:
             key = _identity(deadlock)
@@ -54,12 +56,13 @@ def find(
                 seen[key] = deadlock
             found.deadlocks.append(deadlock)
     found.storms = storms(found.deadlocks)
+    found.sessions = sessions.sessions()
     return found
 
 
-def _read(path: str, prefix: str | None, stdin: IO[bytes] | None) -> _Scanner:
+def _read(path: str, prefix: str | None, stdin: IO[bytes] | None, sessions: SessionLog) -> _Scanner:
     """One file read to its end; its FileRead says what it was read as, or why not."""
-    scanner = _Scanner(path if path != "-" else "(stdin)")
+    scanner = _Scanner(path if path != "-" else "(stdin)", sessions)
     try:
         with open_log(path, stdin) as (stream, packed):
             reading = read_entries(stream, scanner.source, prefix)
@@ -101,8 +104,9 @@ def _identity(deadlock: Deadlock) -> Hashable | None:
 class _Scanner:
     """Collects deadlocks, and application names per pid to name the other sides with."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, sessions: SessionLog) -> None:
         self.source = source
+        self.sessions = sessions
         self.file = FileRead(source)
         self.entries = 0
         self.deadlocks: list[Deadlock] = []
@@ -113,6 +117,7 @@ class _Scanner:
 
     def feed(self, entry: Entry) -> None:
         self.entries += 1
+        self.sessions.feed(entry)
         if entry.app in _UNNAMED:
             entry.app = None
         authorized = _AUTHORIZED.match(entry.message)

@@ -61,7 +61,7 @@ _READ_PARENTS = "SELECT count(*) FROM {s}.parents"
 
 
 def _insert_code(code: int) -> str:
-    return f"INSERT INTO {{s}}.codes VALUES ({code})"
+    return f"INSERT INTO {{s}}.codes VALUES ({code})"  # noqa: S608
 
 
 @dataclass(frozen=True)
