@@ -97,6 +97,7 @@ class Deadlock:
             "context": self.context,
             "statement": self.statement,
             "also_in": self.also_in,
+            "suggested_fix": _suggested(self),
         }
 
 
@@ -170,6 +171,13 @@ class Found:
             "files": [read.as_json() for read in self.files],
             "storms": [storm.as_json() for storm in self.storms],
         }
+
+
+def _suggested(deadlock: Deadlock) -> dict[str, Any] | None:
+    from jobrun.deadlocks.advice import suggest  # noqa: PLC0415 - advice reads this module
+
+    found = suggest(deadlock)
+    return found.as_json() if found else None
 
 
 def parse_detail(detail: str) -> list[Side]:

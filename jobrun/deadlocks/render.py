@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobrun.deadlocks import together
+from jobrun.deadlocks.advice import suggest
 from jobrun.deadlocks.printable import printable as _printable
 from jobrun.deadlocks.scan import find
 from jobrun.deadlocks.sources import NoInputError
@@ -122,6 +123,9 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
             out.append(f"    running: {' '.join(side.statement.split())}")
     if deadlock.context:
         out.append(f"  context: {' '.join(deadlock.context.split())}")
+    suggestion = suggest(deadlock)
+    if suggestion is not None:
+        out.append(f"  suggested fix ({suggestion.shape}): {suggestion.fix}")
     if not any(side.application for side in deadlock.sides):
         out.append(
             "  note: the log does not carry application names: add %a to "
