@@ -19,6 +19,8 @@ import psycopg
 import pytest
 
 from jobrun import deadlocks
+from jobrun.deadlocks.model import Entry
+from jobrun.deadlocks.sessions import SessionLog
 from jobrun.deadlocks.storms import moment
 from support import jobrun_cli
 from support.pgserver import PgServer
@@ -154,11 +156,56 @@ class TestConnected:
         _, out = sessions_run("--sessions", str(bare))
         assert "set log_connections = on and log_disconnections = on" in out, out
 
-    def test_without_the_option_the_report_is_unchanged(self, night):
-        """No --sessions: no connected line, no table."""
-        _, out = sessions_run(str(night["stderr"]))
-        assert "connected at that moment" not in out
-        assert "DEADLOCKS  NIGHTS" not in out
+
+def entry(message: str, time: str, pid: int = 7, app: str | None = None) -> Entry:
+    """A log entry as any format's reader makes it."""
+    return Entry("t.log", 1, "LOG", message, pid=pid, app=app, time=time)
+
+
+class TestSessionLines:
+    """The connection lines of PostgreSQL 13 to 17, shaped as those versions write them."""
+
+    def test_ssl_tail_and_a_unix_socket(self):
+        """PostgreSQL 13's SSL tail after application_name; ``host=[local]`` at the end."""
+        log = SessionLog()
+        log.feed(
+            entry(
+                "connection authorized: user=jobs database=staging application_name=invoices "
+                "SSL enabled (protocol=TLSv1.3, cipher=TLS_AES_256_GCM_SHA384, bits=256, "
+                "compression=off)",
+                "2026-12-01 02:00:01.100 UTC",
+            )
+        )
+        log.feed(
+            entry(
+                "disconnection: session time: 0:00:05.250 user=jobs database=staging host=[local]",
+                "2026-12-01 02:00:06.350 UTC",
+            )
+        )
+        (session,) = log.sessions()
+        assert (session.application, session.user, session.database, session.host) == (
+            "invoices",
+            "jobs",
+            "staging",
+            "[local]",
+        )
+        assert session.end is not None
+        assert session.end - session.start == dt.timedelta(seconds=5.25)
+
+    def test_a_session_older_than_the_log_is_dated_from_its_length(self):
+        """Only its disconnection is in the log: it started session-time before."""
+        log = SessionLog()
+        log.feed(
+            entry(
+                "disconnection: session time: 26:00:00.000 user=jobs database=staging "
+                "host=10.0.0.5 port=41234",
+                "2026-12-02 04:00:00.000 UTC",
+                app="refunds",
+            )
+        )
+        (session,) = log.sessions()
+        assert session.application == "refunds"
+        assert session.start == dt.datetime(2026, 12, 1, 2, 0)  # noqa: DTZ001 - the log's zone
 
 
 def syslog_time(when: dt.datetime) -> str:
@@ -214,6 +261,16 @@ class TestCron:
             "--cron-log", str(cron), "--assume-duration", "5m", str(night["stderr"])
         )
         assert "slow.sh" not in out, out
+
+    def test_a_command_with_control_characters_is_escaped(self, night, tmp_path):
+        """An ESC in a crontab command reaches the report as ``\\x1b``, never raw."""
+        when = deadlock_time(night["stderr"])
+        cron = tmp_path / "syslog"
+        start = syslog_time(when - dt.timedelta(seconds=5))
+        cron.write_text(f"{start} db1 CRON[4120]: (jobs) CMD (./x.sh \x1b[2J)\n")
+        _, out = sessions_run("--cron-log", str(cron), str(night["stderr"]))
+        assert "\x1b" not in out
+        assert "./x.sh \\x1b[2J" in out, out
 
     def test_a_missing_cron_log_is_66_before_any_output(self, night, tmp_path):
         """A typo in --cron-log: exit 66, nothing on stdout."""
