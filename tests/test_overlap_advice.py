@@ -37,7 +37,21 @@ SHAPES = {
         "LOCK TABLE",
     ),
 }
-SCENARIOS = {scenario.name: scenario for scenario in overlap_scenarios.SCENARIOS}
+#: A job that locks the whole table whose row the other job waits for: the watcher's read
+#: of that row by ctid would queue behind the pending ACCESS EXCLUSIVE request.
+TABLE_OF_THE_ROWS = overlap_scenarios.Scenario(
+    "table lock on the rows' own table",
+    (
+        "UPDATE {s}.accounts SET balance = 1 WHERE id = 1",
+        "UPDATE {s}.accounts SET balance = 1 WHERE id = 2",
+    ),
+    (
+        "UPDATE {s}.accounts SET balance = 1 WHERE id = 2",
+        "LOCK TABLE {s}.accounts IN ACCESS EXCLUSIVE MODE",
+    ),
+    deadlocks=True,
+)
+SCENARIOS = {s.name: s for s in (*overlap_scenarios.SCENARIOS, TABLE_OF_THE_ROWS)}
 
 
 @pytest.fixture
@@ -88,6 +102,20 @@ class TestShapes:
         assert found["shape"] == shape, found
         assert words in found["suggested_fix"], found
         assert found["evidence"], found
+
+
+class TestTableLocks:
+    """A table lock in the cycle: the lock held is told apart from the one asked for."""
+
+    def test_the_holder_holds_a_conflicting_lock_not_the_one_asked(self, dsn, scenario_schema):
+        """The job that waits for a row holds a lock in conflict with ACCESS EXCLUSIVE."""
+        status, report = overlap_json(dsn, scenario_schema, TABLE_OF_THE_ROWS.name, "--json")
+        assert status == 1
+        found = first_advice(report)
+        assert found["shape"] == "a table lock against row locks", found
+        table = f"{scenario_schema}.accounts"
+        holder = next(step for step in found["steps"] if "LOCK TABLE" not in step)
+        assert f"locked table {table} (a lock in conflict with AccessExclusiveLock)" in holder
 
 
 class TestRowKeys:

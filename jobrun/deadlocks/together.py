@@ -54,9 +54,8 @@ class Together:
 
     moments: list[Moment]
     pairs: list[Pair]
-    #: Whether the log had any connection line, and any scheduler record was given.
+    #: Whether the logs had any connection line.
     sessions_logged: bool
-    schedulers_given: bool
 
     def as_json(self) -> dict[str, Any]:
         """``sessions`` of ``--json``."""
@@ -109,7 +108,7 @@ def gather(
         for names, seen in together.items()
     ]
     pairs.sort(key=lambda pair: (-pair.deadlocks, -pair.nights, pair.names))
-    return Together(moments, pairs, bool(sessions), bool(runs) or False)
+    return Together(moments, pairs, sessions_logged=bool(sessions))
 
 
 def moment_lines(here: Moment, together: Together) -> list[str]:

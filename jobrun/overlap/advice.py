@@ -96,7 +96,9 @@ def gather(
                 continue
             facts.columns[table] = tuple(found["columns"])
             for row in (row for row in rows if row[0] == table):
-                facts.keys[row] = _key(conn, found, row[1]) or f"row {row[1]}"
+                key = _key(conn, found, row[1])
+                if key is not None:
+                    facts.keys[row] = key
         if rows:
             references = cursor.execute(
                 sql.OVERLAP_FOREIGN_KEYS,
@@ -121,8 +123,12 @@ def _key(
         pgsql.Identifier(table["schema"], table["name"]),
     )
     try:
-        values = conn.execute(query, (ctid,)).fetchone()
-    except psycopg.errors.InsufficientPrivilege:
+        # WARNING: a job's pending table lock (LOCK TABLE, DDL) would queue this read
+        # behind it until the deadlock is broken: give up at once instead.
+        with conn.transaction():
+            conn.execute(sql.OVERLAP_KEY_LOCK_TIMEOUT)
+            values = conn.execute(query, (ctid,)).fetchone()
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.LockNotAvailable):
         return None
     if values is None:
         return None
@@ -237,6 +243,8 @@ def _steps(cycle: Sequence[Wait], facts: Facts) -> list[str]:
             )
             continue
         before = _thing(mine, facts) if mine is not None else "a lock"
+        if mine is not None and mine.locktype == "relation":  # held: a mode in conflict
+            before = f"table {mine.relation} (a lock in conflict with {mine.mode})"
         steps.append(
             f"{wait.job} (pid {wait.pid}) locked {before}, then waited for "
             f"{_thing(wanted, facts)}: {wait.query}"

@@ -80,6 +80,7 @@ from jobrun.sql.lease import (
 )
 from jobrun.sql.overlap import (
     OVERLAP_FOREIGN_KEYS,
+    OVERLAP_KEY_LOCK_TIMEOUT,
     OVERLAP_ROW_KEY,
     OVERLAP_SESSIONS,
     OVERLAP_TERMINATE,
@@ -142,6 +143,7 @@ __all__ = [
     "LOCK",
     "NO_ROWS",
     "OVERLAP_FOREIGN_KEYS",
+    "OVERLAP_KEY_LOCK_TIMEOUT",
     "OVERLAP_ROW_KEY",
     "OVERLAP_SESSIONS",
     "OVERLAP_TERMINATE",

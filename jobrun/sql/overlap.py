@@ -92,6 +92,9 @@ LEFT JOIN LATERAL (
 WHERE c.oid = %(relation)s::regclass
 """
 
+#: Reading a cycle's row by ctid never waits for a table lock that a job asked for.
+OVERLAP_KEY_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '50ms'"
+
 #: Foreign keys from a table that a cycle's sessions wrote to (a RowExclusiveLock) onto the
 #: tables of the cycle's rows: an insert or key update there took FOR KEY SHARE on the
 #: referenced row, a lock that nobody's statement shows.
