@@ -319,3 +319,24 @@ class TestJournal:
         running = [x for x in out.splitlines() if x.startswith("  running: ")]
         assert len(running) == 1, out
         assert running[0].startswith("  running: systemd invoices.service, started "), running
+
+    def test_a_unit_seen_only_by_its_own_lines_spans_first_to_last(self, night, tmp_path):
+        """A journal filtered by _SYSTEMD_UNIT: the invocation's first to last line."""
+        when = deadlock_time(night["stderr"])
+        stamp = int(when.replace(tzinfo=dt.timezone.utc).timestamp() * 1_000_000)
+        lines = [
+            {
+                "__REALTIME_TIMESTAMP": str(stamp + offset * 1_000_000),
+                "_SYSTEMD_UNIT": "refunds.service",
+                "_SYSTEMD_INVOCATION_ID": "5e1f0c9d1f0a4b7e9d2c1b0a99887766",
+                "MESSAGE": text,
+            }
+            for offset, text in ((-2, "refunds: starting"), (2, "refunds: done"))
+        ]
+        journal = tmp_path / "journal.json"
+        journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        _, out = sessions_run("--journal", str(journal), str(night["stderr"]))
+        running = [x for x in out.splitlines() if x.startswith("  running: ")]
+        assert len(running) == 1, out
+        assert "systemd refunds.service, started " in running[0], running
+        assert "end unknown (its last line at " in running[0], running

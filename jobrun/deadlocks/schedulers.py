@@ -45,8 +45,14 @@ class Run:
     end: dt.datetime | None
     #: Where the run's start was read: ``file line N``.
     where: str
-    #: Whether the end was logged (False: assumed, see ASSUME_DURATION).
-    end_known: bool = True
+    #: Where the end comes from: ``logged``; ``assumed`` (cron's runs of unknown end, see
+    #: ASSUME_DURATION); ``last line`` (a unit's own last line in the journal).
+    end_from: str = "logged"
+
+    @property
+    def end_known(self) -> bool:
+        """Whether the scheduler logged the end."""
+        return self.end_from == "logged"
 
     def running_at(self, when: dt.datetime) -> bool:
         """Running at ``when`` (a run with no end yet: from its start on)."""
@@ -56,8 +62,10 @@ class Run:
         """``cron (root) ./x.py, started 02:00:01, ended 02:00:05`` (or end unknown)."""
         if self.end is None:
             end = "no end logged"
-        elif not self.end_known:
+        elif self.end_from == "assumed":
             end = f"end unknown (taken as up to {self.end:%H:%M:%S})"
+        elif self.end_from == "last line":
+            end = f"end unknown (its last line at {self.end:%H:%M:%S})"
         else:
             end = f"ended {self.end:%H:%M:%S}"
         return f"{self.label}, started {self.start:%H:%M:%S}, {end}"
@@ -84,14 +92,14 @@ def cron_runs(
         if match["what"] == "CMDEND":
             run = open_.pop(key, None)
             if run is not None:
-                run.end, run.end_known = when, True
+                run.end, run.end_from = when, "logged"
             continue
         run = Run(
             f"cron ({match['user']}) {match['cmd']}",
             when,
             when + assume,
             f"{source} line {number}",
-            end_known=False,
+            end_from="assumed",
         )
         open_[key] = run
         runs.append(run)
@@ -100,32 +108,61 @@ def cron_runs(
 
 
 def journal_runs(stream: IO[str], source: str) -> list[Run]:
-    """Runs of .service units from ``journalctl -o json`` (one JSON object per line)."""
+    """Runs of .service units from ``journalctl -o json`` (one JSON object per line).
+
+    A run goes from systemd's ``Starting``/``Started`` message about the unit (``UNIT`` or
+    ``USER_UNIT``) to its ``Deactivated``/``Finished``/``Failed`` one. A unit whose own
+    lines (``_SYSTEMD_UNIT``) are there without any of systemd's messages about it (a
+    journal filtered by ``_SYSTEMD_UNIT=``) gets one run per invocation, from its first
+    line to its last: the real end is unknown.
+    """
     runs: list[Run] = []
     open_: dict[str, Run] = {}
+    told: set[str] = set()
+    #: (unit, invocation id) -> the run its own lines span.
+    spans: dict[tuple[str, str], Run] = {}
     for number, line in enumerate(stream, start=1):
-        try:
-            record = json.loads(line)
-        except ValueError:
+        record = _record(line)
+        if record is None:
             continue
-        if not isinstance(record, dict):
+        when, message = record
+        unit = message.get("UNIT") or message.get("USER_UNIT")
+        text = message.get("MESSAGE")
+        if isinstance(unit, str) and unit.endswith(".service") and isinstance(text, str):
+            told.add(unit)
+            text = text.removeprefix(f"{unit}: ")
+            if text.startswith(_UNIT_STARTS) and unit not in open_:
+                open_[unit] = Run(f"systemd {unit}", when, None, f"{source} line {number}")
+                runs.append(open_[unit])
+            elif text.startswith(_UNIT_ENDS) and unit in open_:
+                open_.pop(unit).end = when
             continue
-        unit, message = record.get("UNIT") or record.get("USER_UNIT"), record.get("MESSAGE")
-        stamp = record.get("__REALTIME_TIMESTAMP")
-        if not (isinstance(unit, str) and unit.endswith(".service") and isinstance(message, str)):
-            continue
-        try:
-            when = dt.datetime.fromtimestamp(int(str(stamp)) / 1_000_000, dt.timezone.utc)
-        except ValueError:
-            continue
-        when = when.replace(tzinfo=None)  # compared with logs written in UTC
-        text = message.removeprefix(f"{unit}: ")
-        if text.startswith(_UNIT_STARTS) and unit not in open_:
-            open_[unit] = Run(f"systemd {unit}", when, None, f"{source} line {number}")
-            runs.append(open_[unit])
-        elif text.startswith(_UNIT_ENDS) and unit in open_:
-            open_.pop(unit).end = when
-    return runs
+        own = message.get("_SYSTEMD_UNIT") or message.get("_SYSTEMD_USER_UNIT")
+        if isinstance(own, str) and own.endswith(".service"):
+            invocation = str(message.get("_SYSTEMD_INVOCATION_ID") or "")
+            span = spans.get((own, invocation))
+            if span is None:
+                where = f"{source} line {number}"
+                spans[own, invocation] = Run(
+                    f"systemd {own}", when, when, where, end_from="last line"
+                )
+            else:
+                span.end = max(span.end or when, when)
+    runs += [run for (unit, _), run in spans.items() if unit not in told]
+    return sorted(runs, key=lambda run: run.start)
+
+
+def _record(line: str) -> tuple[dt.datetime, dict[str, object]] | None:
+    """A journal record and its time (UTC, naive), or None for a line that is not one."""
+    try:
+        record = json.loads(line)
+        stamp = int(str(record["__REALTIME_TIMESTAMP"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    when = dt.datetime.fromtimestamp(stamp / 1_000_000, dt.timezone.utc)
+    return when.replace(tzinfo=None), record  # compared with logs written in UTC
 
 
 def _cron_time(match: re.Match[str], year: int) -> dt.datetime | None:

@@ -72,6 +72,7 @@ class Together:
                             "start": run.start.isoformat(sep=" "),
                             "end": run.end.isoformat(sep=" ") if run.end else None,
                             "end_known": run.end_known,
+                            "end_from": run.end_from,
                             "where": run.where,
                         }
                         for run in m.running
