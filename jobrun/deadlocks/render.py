@@ -42,7 +42,7 @@ def run(
         if path != "-" and not (Path(path).is_file() and os.access(path, os.R_OK)):
             reason = "no such file" if not Path(path).exists() else "not a readable file"
             raise NoInputError(f"cannot read {path}: {reason}")
-    found = find(paths, prefix=prefix)
+    found = find(paths, prefix=prefix, sessions=asked is not None)
     there = (
         together.gather(found.deadlocks, found.sessions, asked.runs(found.deadlocks))
         if asked
