@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,16 @@ _DISCONNECTION = re.compile(
     r"user=(?P<user>\S*) database=(?P<db>\S*) host=(?P<host>\S*)"
 )
 _UNNAMED = frozenset({"", "[unknown]"})
+#: The same second in two files: events keyed by whole seconds since this.
+_EPOCH = dt.datetime(1970, 1, 1)  # noqa: DTZ001 - the log's own zone
 
 
-@dataclass
+def _shared(text: str | None) -> str | None:
+    """One copy of a name repeated on thousands of lines (application, user, host)."""
+    return sys.intern(text) if text is not None else None
+
+
+@dataclass(slots=True)
 class Session:
     """One server session: who (application, user, database, host) and from when to when."""
 
@@ -56,7 +64,7 @@ class Session:
         return self.start <= when and (self.end is None or when <= self.end)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Event:
     when: dt.datetime
     pid: int
@@ -91,7 +99,7 @@ class SessionLog:
             return
         received = _RECEIVED.match(entry.message)
         if received:
-            self._hosts[entry.pid] = received["host"]
+            self._hosts[entry.pid] = sys.intern(received["host"])
             return
         app = entry.app if entry.app not in _UNNAMED else None
         authorized = _AUTHORIZED.match(entry.message)
@@ -101,9 +109,9 @@ class SessionLog:
                 when,
                 entry.pid,
                 0,
-                named if named not in _UNNAMED and named is not None else app,
-                authorized["user"] or entry.user,
-                authorized["db"] or entry.db,
+                _shared(named if named not in _UNNAMED and named is not None else app),
+                _shared(authorized["user"] or entry.user),
+                _shared(authorized["db"] or entry.db),
                 self._hosts.pop(entry.pid, None),
             )
         else:
@@ -114,17 +122,29 @@ class SessionLog:
                 hours=int(ended["h"]), minutes=int(ended["m"]), seconds=float(ended["s"])
             )
             event = _Event(
-                when, entry.pid, 1, app, ended["user"], ended["db"], ended["host"], lasted
+                when,
+                entry.pid,
+                1,
+                _shared(app),
+                _shared(ended["user"]),
+                _shared(ended["db"]),
+                _shared(ended["host"]),
+                lasted,
             )
         self.lines += 1
-        key = (event.when.replace(microsecond=0), event.pid, event.kind)
+        key = (int((event.when - _EPOCH).total_seconds()), event.pid, event.kind)
         self._events.setdefault(key, event)
 
     def sessions(self) -> list[Session]:
-        """Every session, in order of start (a pid reused starts a new one)."""
+        """Every session, in order of start (a pid reused starts a new one); read once.
+
+        The lines are let go as they are made into sessions.
+        """
         done: list[Session] = []
         open_: dict[int, Session] = {}
-        for event in sorted(self._events.values(), key=lambda e: (e.when, e.kind)):
+        events = sorted(self._events.values(), key=lambda e: (e.when, e.kind))
+        self._events.clear()
+        for event in events:
             current = open_.pop(event.pid, None)
             if event.kind == 0:
                 if current is not None:  # its disconnection was not logged
