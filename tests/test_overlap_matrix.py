@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import UsageError
+from jobrun.supervise import ExecFailed
 from support import overlap_scenarios
 
 if TYPE_CHECKING:
@@ -104,6 +105,17 @@ class TestMatrix:
         assert lines[5].split() == ["J2", "deadlocked", "-"], result.stdout
         assert any(line.startswith("  suggested fix: lock ") for line in lines), result.stdout
         assert lines[-1] == "deadlock in 1 of 1 pairs"
+
+
+class TestMatrixCommands:
+    """A --job command that cannot be run is named as the --job it is."""
+
+    def test_a_missing_command_names_its_job(self, dsn):
+        """Exit 127 and ``--job J2`` in the message, not --second."""
+        result = invoke("--job", "true", "--job", "./no-such-job", "--runs", "2", "--dsn", dsn)
+        assert isinstance(result.exception, ExecFailed), result.exception
+        assert result.exception.exit_code == 127
+        assert str(result.exception).startswith("--job J2: ./no-such-job: "), result.exception
 
 
 class TestMatrixUsage:

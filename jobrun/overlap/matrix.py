@@ -13,6 +13,7 @@ from jobrun.exitcodes import UsageError
 from jobrun.overlap import advice
 from jobrun.overlap.render import COMMAND_CHARS
 from jobrun.overlap.run import run
+from jobrun.supervise import ExecFailed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -100,7 +101,12 @@ def run_matrix(
             if progress is not None:
                 progress(first, second, attempt)
 
-        report = run(pair_plan, environ=environ, progress=show)
+        try:
+            report = run(pair_plan, environ=environ, progress=show)
+        except ExecFailed as exc:  # said of --first/--second: name the --job instead
+            text = str(exc).replace("--first", f"--job J{first + 1}", 1)
+            text = text.replace("--second", f"--job J{second + 1}", 1)
+            raise ExecFailed(text, exc.exit_code) from None
         matrix.database = report.database
         matrix.jobs[first], matrix.jobs[second] = report.first, report.second  # redacted
         matrix.pairs.append(Pair(first, second, report))
