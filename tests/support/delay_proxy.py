@@ -14,11 +14,29 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from .managed import Managed
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from typing_extensions import Self
 
 _START_TIMEOUT = 10.0
 _EOF = "eof"
 _CLOSE = "close"
+
+
+class _Exchange:
+    """Round trips of one connection as the proxy sees them: a request, then its answer."""
+
+    def __init__(self, proxy: DelayProxy) -> None:
+        self.proxy = proxy
+        self.asked = False  # the client spoke; the server has not answered yet
+
+    def request(self) -> None:
+        self.asked = True
+
+    def answer(self) -> None:
+        if self.asked:
+            self.asked = False
+            self.proxy.round_trips += 1
 
 
 class _Direction:
@@ -30,8 +48,15 @@ class _Direction:
     distant server before the handshake's round trip is over.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float, not_before: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        delay: float,
+        not_before: float,
+        seen: Callable[[], None],
+    ) -> None:
         self.loop = loop
+        self.seen = seen  # told of each chunk: _Exchange.request or .answer
         self.delay = delay
         self.not_before = not_before
         self.queue: collections.deque[tuple[float, bytes | str]] = collections.deque()
@@ -39,6 +64,8 @@ class _Direction:
         self.timer: asyncio.TimerHandle | None = None
 
     def push(self, item: bytes | str) -> None:
+        if isinstance(item, bytes):
+            self.seen()
         due = max(self.loop.time(), self.not_before) + self.delay
         self.queue.append((due, item))
         self._schedule()
@@ -63,7 +90,8 @@ class _Direction:
             if isinstance(item, bytes):
                 dst.write(item)
             elif item == _EOF:
-                if dst.can_write_eof():
+                # The other side may be gone already (its close is on the way, queued).
+                with contextlib.suppress(OSError):
                     dst.write_eof()
             else:
                 dst.close()
@@ -107,8 +135,11 @@ class DelayProxy(Managed):
     after the accept, then another ``rtt / 2``), so a request sent right after connecting
     is answered two round trips later, as over a real distant TCP path. ``rtt`` (seconds)
     may be changed between connections; a connection keeps the one it started with.
-    ``accepted`` counts the connections accepted so far. Everything runs in one background
-    thread's event loop.
+    ``accepted`` counts the connections accepted so far; ``round_trips`` the handshakes and
+    the client's requests that the server answered (a burst of chunks from the client, then
+    one from the server: pipelined statements are one; the goodbye, never answered, none).
+    Summed over connections, it is the latency on the critical path only when they do not
+    overlap. Everything runs in one background thread's event loop.
     """
 
     host = "127.0.0.1"
@@ -119,6 +150,7 @@ class DelayProxy(Managed):
         self.rtt = rtt
         self.port = 0
         self.accepted = 0  # written by the proxy thread only
+        self.round_trips = 0  # the same
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
@@ -128,6 +160,10 @@ class DelayProxy(Managed):
     def start(self) -> Self:
         """Listen, and forward in a background thread."""
         return self._started(self._start)
+
+    def stop(self) -> None:
+        """Abort every connection, stop listening and end the thread. Safe to call twice."""
+        self.cleanup()
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` with host and port pointing at this proxy."""
@@ -161,9 +197,11 @@ class DelayProxy(Managed):
     def _client_side(self) -> _Side:
         """A new client connection: its two directions, and our connection to the target."""
         self.accepted += 1
+        self.round_trips += 1  # the TCP handshake's
         now = self._loop.time()
-        up = _Direction(self._loop, self.rtt / 2, not_before=now + self.rtt)
-        down = _Direction(self._loop, self.rtt / 2, not_before=now)
+        exchange = _Exchange(self)
+        up = _Direction(self._loop, self.rtt / 2, now + self.rtt, exchange.request)
+        down = _Direction(self._loop, self.rtt / 2, now, exchange.answer)
         client = _Side(up, down, self._transports)
         task = self._loop.create_task(self._connect(client, up, down))
         self._tasks.add(task)  # the loop keeps only a weak reference to a task
