@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import signal
+import time
 from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from support import jobrun_cli
+from support.delay_proxy import DelayProxy
 from support.pgserver import PgServer
 from support.statement_log import LOG_SETTINGS, Calls, StatementLog
 
@@ -108,3 +110,36 @@ class TestLeaseMode:
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
         assert calls == LEASE_SKIP, calls
+
+
+#: The proxy's round trip in these tests: long enough to tell from no delay at all.
+PROXY_RTT = 0.1
+
+
+@pytest.fixture
+def delayed(pg_address) -> Iterator[DelayProxy]:
+    with DelayProxy(*pg_address, rtt=PROXY_RTT).start() as proxy:
+        yield proxy
+
+
+class TestDelayProxy:
+    """The proxy bench_latency measures with delays and counts as a distant network would."""
+
+    def test_counts_handshake_startup_and_each_query(self, delayed, dsn):
+        """Connect (no SSL request), two queries, close: four round trips, one connection."""
+        proxied = delayed.dsn_for(dsn) + " sslmode=disable gssencmode=disable"
+        with psycopg.connect(proxied, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+            conn.execute("SELECT 2")
+        assert (delayed.accepted, delayed.round_trips) == (1, 4)
+
+    def test_each_round_trip_takes_the_configured_time(self, delayed, dsn):
+        """Connecting takes two round trips (TCP, then start-up), a query one more."""
+        proxied = delayed.dsn_for(dsn) + " sslmode=disable gssencmode=disable"
+        began = time.monotonic()
+        with psycopg.connect(proxied, autocommit=True) as conn:
+            connected = time.monotonic()
+            conn.execute("SELECT 1")
+            queried = time.monotonic()
+        assert connected - began >= 2 * PROXY_RTT
+        assert queried - connected >= PROXY_RTT

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 _START_TIMEOUT = 10.0
+#: Turns of the loop allowed for aborted connections to close their sockets.
+_SHUTDOWN_TURNS = 100
 _EOF = "eof"
 _CLOSE = "close"
 
@@ -228,18 +230,28 @@ class DelayProxy(Managed):
             self._loop.close()
             return
         if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._shutdown)
+            done = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                done.result(_START_TIMEOUT)
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(_START_TIMEOUT)
-        with contextlib.suppress(RuntimeError):
+        if not self._loop.is_running():
             self._loop.close()
         self._thread = None
 
-    def _shutdown(self) -> None:
+    async def _shutdown(self) -> None:
+        """Stop listening, abort every connection, and let the loop close their sockets."""
         if self._server is not None:
             self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
         for transport in list(self._transports):
             transport.abort()
-        self._loop.stop()
+        # An abort closes its socket on a later turn of the loop (connection_lost).
+        for _ in range(_SHUTDOWN_TURNS):
+            if not (self._transports or self._tasks):
+                break
+            await asyncio.sleep(0)
 
     def __repr__(self) -> str:
         target = f"{self.target_host}:{self.target_port}"
