@@ -9,16 +9,23 @@ commands, so drift in machine load touches all of them alike), and
 
     round trips = (median proxied wall time - median direct wall time) / RTT
 
-with the spread of the per-pair differences beside it. "conns" is how many connections
-the proxy accepted during one proxied run (median). Setting up a command (holding its
-key, pausing it, starting a run to stop) is done directly and never timed.
+with the range of the per-pair differences beside it. "seen by proxy" counts the round
+trips the proxy itself saw in one proxied run: each connection's handshake, and each
+burst from the client that the server answered (pipelined statements are one). It needs
+no clock, so load cannot blur it: it is the figure to compare when an optimisation lands,
+and the wall-time figure confirms it is on the critical path (connections that overlap
+would count twice). Under TLS it may run one high when session tickets arrive as an
+answer nobody waited for. "conns" is how many connections the proxy accepted in one
+proxied run. Setting a command up (holding its key, pausing it, starting a run to stop)
+is done directly and never timed.
 
 The floor is a hand-written psycopg script: connect, pg_try_advisory_lock, run ``true``,
 pg_advisory_unlock. Its DSN is the same as jobrun's, so libpq's default sslmode=prefer
 costs both of them the same refused SSL request against a server without TLS.
 
 ``stop`` is timed as ``stop KEY --wait 0s``: the request and one look, not the wait for
-the run's next heartbeat, which depends on the run, not on the distance.
+the run's next heartbeat, which depends on the run, not on the distance (exit 3; exit 0
+and one round trip more when the run happened to end before that look).
 
 ``--tls``: the same against a server with a self-signed certificate (made with the
 openssl CLI), as sslmode=disable, sslmode=require and, where libpq and the server are
