@@ -86,7 +86,7 @@ class TestSessionMode:
     def test_run(self, logged_server, log, key):
         """A run of true: one session, SESSION_RUN's statements."""
         calls = counted(log, logged_server, *SESSION_BEATS, "--key", key, "--", "true", status=0)
-        assert calls == SESSION_RUN, calls
+        assert calls == SESSION_RUN, calls.explain()
 
     def test_skip(self, logged_server, log, key, tmp_path):
         """A skip behind a running holder: one session, SESSION_SKIP's statements."""
@@ -95,7 +95,7 @@ class TestSessionMode:
             calls = counted(log, logged_server, "--key", key, "--", "true", status=75)
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
-        assert calls == SESSION_SKIP, calls
+        assert calls == SESSION_SKIP, calls.explain()
 
 
 class TestLeaseMode:
@@ -104,7 +104,7 @@ class TestLeaseMode:
     def test_run(self, logged_server, log, key):
         """A run of true: LEASE_RUN's sessions and statements (no renewal falls in it)."""
         calls = counted(log, logged_server, *LEASE_BEATS, "--key", key, "--", "true", status=0)
-        assert calls == LEASE_RUN, calls
+        assert calls == LEASE_RUN, calls.explain()
 
     def test_skip(self, logged_server, log, key, tmp_path):
         """A skip behind a running lease holder: LEASE_SKIP's sessions and statements."""
@@ -113,7 +113,7 @@ class TestLeaseMode:
             calls = counted(log, logged_server, *LEASE_BEATS, "--key", key, "--", "true", status=75)
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
-        assert calls == LEASE_SKIP, calls
+        assert calls == LEASE_SKIP, calls.explain()
 
 
 #: The proxy's round trip in these tests: long enough to tell from no delay at all.

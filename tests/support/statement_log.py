@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -34,6 +34,13 @@ class Calls:
 
     sessions: int
     statements: int
+    #: Each statement's entry, shortened (to say what changed when a count does).
+    logged: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def explain(self) -> str:
+        """The counts, then one line per statement logged."""
+        lines = "\n".join(f"  {line}" for line in self.logged)
+        return f"{self.sessions} sessions, {self.statements} statements:\n{lines}"
 
 
 class StatementLog:
@@ -70,7 +77,8 @@ class StatementLog:
         statements = [
             entry for entry in entries if _STATEMENT.search(entry) and set(_pids(entry)) & sessions
         ]
-        return Calls(sessions=len(sessions), statements=len(statements))
+        logged = tuple(" ".join(entry.split())[:160] for entry in statements)
+        return Calls(sessions=len(sessions), statements=len(statements), logged=logged)
 
     def close(self) -> None:
         """Close our own session."""
