@@ -16,7 +16,7 @@ from jobrun.settings import KEY_NAMES, LOCK_IDS, Settings
 __all__ = ["KEY_VARIABLES", "Settings", "cli"]
 
 #: Variables of the run's keys, and the option each stands for.
-KEY_VARIABLES = {"key_names": "JOBRUN_KEY", "lock_ids": "JOBRUN_LOCK_ID"}
+KEY_VARIABLES = {option.param_name: option.envvar for option in (KEY_NAMES, LOCK_IDS)}
 
 
 @click.group(
@@ -55,9 +55,11 @@ def cli(ctx: click.Context, /, **params: Any) -> int | None:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
     if not argv[0]:
         raise UsageError("the command after '--' is an empty string")
+    run_keys = _keys(ctx, params["key_names"], params["lock_ids"])
+    fence = params["fence"] or _old_fence_variable(ctx)
     settings = Settings.from_params(
-        {**ctx.params, "fence": params["fence"] or _old_fence_variable(ctx)},
-        run_keys=_keys(ctx, params["key_names"], params["lock_ids"]),
+        {**params, "fence": fence},
+        run_keys=run_keys,
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
     )
     return wiring.run(argv, settings)
