@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: Field metadata: the option a field of Settings is read from.
 OPTION = "jobrun.option"
+#: Seconds between two checks of a session lock when --heartbeat is not given.
+SESSION_HEARTBEAT = 1.0
 
 
 def declared(declaration: Option) -> Any:
@@ -226,7 +228,7 @@ class Settings:
             declaration.param_name: params[declaration.param_name]
             for declaration in cls.declarations()
         }
-        heartbeat, lifetime = given["heartbeat"] or 1.0, 0.0
+        heartbeat, lifetime = given["heartbeat"] or SESSION_HEARTBEAT, 0.0
         if given["mode"] == "lease":
             from jobrun.locks.lease import LeaseTiming  # noqa: PLC0415 - lease mode only
 
