@@ -178,7 +178,9 @@ class PassedName(VariableName):
         from jobrun.masking import WITHHELD
 
         name = super().convert(value, param, ctx)
-        if name not in WITHHELD:
+        # Before a subcommand, --pass-env is misplaced: the subcommand says so instead.
+        subcommand_follows = ctx is not None and ctx.meta.get(SUBCOMMAND_FOLLOWS) is ctx
+        if name not in WITHHELD and not subcommand_follows:
             raise UsageError(
                 f"{source_of(param, ctx)} {name}: only jobrun's own variables that can hold a "
                 f"secret are withheld ({', '.join(WITHHELD)}); every other variable reaches "
