@@ -36,7 +36,7 @@ JOBRUN = (sys.executable, "-m", "jobrun")
 #: What a herd member does before the barrier: import everything a run needs, then wait.
 LAUNCHER = """
 import os, sys
-import jobrun.cli, jobrun.db, jobrun.history, jobrun.locks.session, jobrun.locks.lease
+import jobrun.cli.run, jobrun.db, jobrun.history, jobrun.locks.session, jobrun.locks.lease
 os.read(int(sys.argv[1]), 1)
 sys.argv = ["jobrun", *sys.argv[2:]]
 jobrun.cli.main()

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jobrun.exitcodes import UsageError
-
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -40,7 +38,9 @@ def validate(
     on_db_error: str,
     no_history: bool,
 ) -> Options:
-    """Check the run command's operators' options (usage errors: exit 64) before anything runs.
+    """Parse the run command's operators' options (usage errors: exit 64) before anything runs.
+
+    How they go with the other options was checked with them (jobrun.settings.check).
 
     Each feature's module is imported only when its option is given: the run path stays lean.
     """
@@ -54,16 +54,7 @@ def validate(
         from jobrun import tail  # noqa: PLC0415 - only with --keep-output
 
         keep = tail.parse_size(keep_output)
-    if fence and on_db_error == "run":
-        raise UsageError(
-            "--fence with --on-db-error run: a run without the database has no fencing "
-            "token; drop one of them"
-        )
-    if keep and no_history and url is None:
-        raise UsageError(
-            "--keep-output keeps the tails in the run history and sends them with --ping: "
-            "drop --no-history or add --ping"
-        )
+    del on_db_error  # checked with the other options, by jobrun.settings.check
     return Options(
         ping_url=url,
         ping_timeout=ping_timeout,

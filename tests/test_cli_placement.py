@@ -122,6 +122,7 @@ class TestRunOptionsBeforeSubcommand:
             (["--timeout", "5s"], ["overlap", "--first", "true", "--second", "true"]),
             (["--key", "a"], ["doctor"]),
             (["--lock-id", "5"], ["drill"]),
+            (["--pass-env", "HOME"], ["status"]),  # misplaced, before its value is judged
         ],
         ids=lambda value: value[0],
     )

@@ -193,6 +193,14 @@ class TestDrill:
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "--heartbeat must be at least 100ms" in result.stderr
 
+    def test_reads_the_runs_variables(self, key):
+        """JOBRUN_HEARTBEAT is the drill's --heartbeat too: a bad one is named (exit 64)."""
+        result = jobrun_cli.run(
+            "drill", "--key", key, dsn="host=127.0.0.1 port=1", env={"JOBRUN_HEARTBEAT": "50ms"}
+        )
+        assert result.returncode == 64, result.stdout + result.stderr
+        assert "JOBRUN_HEARTBEAT (the variable for --heartbeat) must be at least" in result.stderr
+
     def test_runs_get_the_drills_connect_timeout(self, key):
         """--connect-timeout is passed on to every run the drill starts."""
         plan = drill.Drill(

@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from jobrun.cli.main import main
-from jobrun.cli.run import cli
+
+if TYPE_CHECKING:
+    from jobrun.cli.run import cli
 
 __all__ = ["cli", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    """``cli``, the run command, imported when first asked for.
+
+    WARNING: not with this package: the command is made from jobrun.settings, which uses
+    jobrun.cli.options; importing it here would leave jobrun.settings half made whenever it
+    is imported first.
+    """
+    if name == "cli":
+        from jobrun.cli.run import cli
+
+        return cli
+    raise AttributeError(name)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import click
 
-from jobrun.cli.run import cli
 from jobrun.exitcodes import (
     Exit,
     JobrunError,
@@ -30,11 +29,16 @@ SIGINT = 2
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the command line and exit with its status; never a traceback for bad input."""
+    # Imported here, not with this module: jobrun.settings (which the command is made from)
+    # uses jobrun.cli.options, whose package imports this module. Before _interruptible():
+    # a Ctrl-C during the import still ends jobrun quietly (jobrun/__init__).
+    from jobrun.cli.run import cli
+
     _interruptible()
     closed = _open_standard_fds()
     try:
         with _guarded_stdout(closed=STDOUT in closed):
-            status = _status_of(argv)
+            status = _status_of(cli, argv)
     except PipeClosed as exc:  # the reader went away (`| head -1`): quiet, as Unix tools are
         _silence_stdout()
         status = exc.exit_code
@@ -61,7 +65,7 @@ def _raise_exit(signum: int, _frame: object) -> None:
     raise SystemExit(signal_status(signum))
 
 
-def _status_of(argv: list[str] | None) -> int:
+def _status_of(cli: click.Group, argv: list[str] | None) -> int:
     try:
         status = cli.main(args=argv, prog_name="jobrun", standalone_mode=False)
     except click.exceptions.Exit as exc:  # --help, --version

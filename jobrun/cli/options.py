@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -166,6 +167,28 @@ class VariableName(click.ParamType):  # type: ignore[type-arg]
         return text
 
 
+class PassedName(VariableName):
+    """The name of one of jobrun's own variables that are withheld from the child (--pass-env).
+
+    Only a withheld variable can be passed: any other reaches the child already.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The name; a usage error naming the flag or variable when it is not withheld."""
+        from jobrun.masking import WITHHELD
+
+        name = super().convert(value, param, ctx)
+        # Before a subcommand, --pass-env is misplaced: the subcommand says so instead.
+        subcommand_follows = ctx is not None and ctx.meta.get(SUBCOMMAND_FOLLOWS) is ctx
+        if name not in WITHHELD and not subcommand_follows:
+            raise UsageError(
+                f"{source_of(param, ctx)} {name}: only jobrun's own variables that can hold a "
+                f"secret are withheld ({', '.join(WITHHELD)}); every other variable reaches "
+                "the child"
+            )
+        return name
+
+
 class Commas(Lines):
     """Text whose environment variable holds comma-separated values (lock ids)."""
 
@@ -177,7 +200,68 @@ def option(*names: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*names, cls=JobrunOption, **kwargs)
 
 
-def _stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option declared once: flag, kind of value, default, help; its variable follows.
+
+    The variable is JOBRUN_ and the flag's name (``--kill-after``: JOBRUN_KILL_AFTER). A
+    command that needs another default or help says so with :meth:`but`, on the same
+    declaration. Used as a decorator, it adds itself to a click command.
+    """
+
+    flag: str
+    #: The kind of value (None: text; ``is_flag``: a boolean switch).
+    kind: click.ParamType[Any] | None = None
+    default: Any = None
+    help: str = ""
+    #: The parameter's name, where it is not the flag's (``--key``: ``key_names``).
+    name: str | None = None
+    metavar: str | None = None
+    multiple: bool = False
+    is_flag: bool = False
+    #: False: no environment variable (an option whose value means something else there).
+    variable: bool = True
+
+    @property
+    def envvar(self) -> str | None:
+        """``JOBRUN_`` and the flag's name, upper case; None without a variable."""
+        if not self.variable:
+            return None
+        return "JOBRUN_" + self.flag.removeprefix("--").upper().replace("-", "_")
+
+    @property
+    def param_name(self) -> str:
+        """The name click hands the value over under (``kill_after``)."""
+        return self.name or self.flag.removeprefix("--").replace("-", "_")
+
+    def but(self, **changes: Any) -> Option:
+        """The same option with another default, help... for one command."""
+        return dataclasses.replace(self, **changes)
+
+    def __call__(self, command: Any) -> Any:
+        """Add the option to ``command`` (a click command, or its function)."""
+        shown = self.default is not None and self.default != "" and not self.is_flag
+        metavar = self.metavar
+        if metavar is None and isinstance(self.kind, Duration):
+            metavar = "DURATION"
+        return click.option(
+            self.flag,
+            *([self.name] if self.name else []),
+            cls=JobrunOption,
+            envvar=self.envvar,
+            type=self.kind,
+            default=self.default,
+            show_default=shown,
+            metavar=metavar,
+            multiple=self.multiple,
+            is_flag=self.is_flag,
+            help=self.help,
+        )(command)
+
+
+def stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """One decorator that applies ``decorators`` as if written one above the other."""
+
     def apply(command: Any) -> Any:
         for decorator in reversed(decorators):
             command = decorator(command)
@@ -186,90 +270,73 @@ def _stack(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return apply
 
 
-dsn = option(
+dsn = Option(
     "--dsn",
-    envvar="JOBRUN_DSN",
     default="",
     metavar="DSN",
     help="libpq connection string or URI; default: PG* variables, service file, ~/.pgpass. "
     "Prefer JOBRUN_DSN or .pgpass for passwords.",
 )
-connect_timeout = option(
+connect_timeout = Option(
     "--connect-timeout",
-    envvar="JOBRUN_CONNECT_TIMEOUT",
-    type=Duration(),
+    Duration(),
     default="10s",
-    show_default=True,
-    metavar="DURATION",
     help="Give up connecting after this long (exit 69).",
 )
 #: --dsn and --connect-timeout: every command that talks to the database.
-database = _stack(dsn, connect_timeout)
+database = stack(dsn, connect_timeout)
+
+#: --mode; each command says what the mode is for (see :func:`mode`).
+lock_mode = Option("--mode", click.Choice(MODES), default="session")
 
 
-def mode(help_text: str) -> Callable[[Any], Any]:
-    """--mode session|lease (JOBRUN_MODE)."""
-    return option(
-        "--mode",
-        envvar="JOBRUN_MODE",
-        type=click.Choice(MODES),
-        default="session",
-        show_default=True,
-        help=help_text,
-    )
+def mode(help_text: str) -> Option:
+    """--mode session|lease (JOBRUN_MODE), with the command's own help."""
+    return lock_mode.but(help=help_text)
 
 
 as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 
-log = _stack(
-    option(
-        "--log-format",
-        envvar="JOBRUN_LOG_FORMAT",
-        type=click.Choice(["auto", "json", "logfmt", "console"]),
-        default="auto",
-        show_default=True,
-        help="Event line format; auto = console on a terminal, JSON otherwise.",
-    ),
-    option(
-        "--log-file",
-        envvar="JOBRUN_LOG_FILE",
-        metavar="PATH",
-        help="Append events here instead of stderr (safe with concurrent writers).",
-    ),
-    option(
-        "--log-level",
-        envvar="JOBRUN_LOG_LEVEL",
-        type=click.Choice(["debug", "info", "warning", "error"]),
-        default="info",
-        show_default=True,
-        help="Least severe event to write.",
-    ),
+log_format = Option(
+    "--log-format",
+    click.Choice(["auto", "json", "logfmt", "console"]),
+    default="auto",
+    help="Event line format; auto = console on a terminal, JSON otherwise.",
 )
+log_file = Option(
+    "--log-file",
+    metavar="PATH",
+    help="Append events here instead of stderr (safe with concurrent writers).",
+)
+log_level = Option(
+    "--log-level",
+    click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    help="Least severe event to write.",
+)
+log = stack(log_format, log_file, log_level)
 
 #: Each beat is a query: not more often than this.
 MIN_HEARTBEAT = "100ms"
-kill_after = option(
+timeout = Option(
+    "--timeout",
+    Duration(),
+    help="Stop the child after this long (SIGTERM, then SIGKILL); exit 124. 0: never.",
+)
+kill_after = Option(
     "--kill-after",
-    envvar="JOBRUN_KILL_AFTER",
-    type=Duration(),
+    Duration(),
     default="10s",
-    show_default=True,
-    metavar="DURATION",
     help="Grace between SIGTERM and SIGKILL when jobrun stops the child.",
 )
-heartbeat = option(
+heartbeat = Option(
     "--heartbeat",
-    envvar="JOBRUN_HEARTBEAT",
-    type=Duration(minimum=MIN_HEARTBEAT, why="each beat is a query"),
-    metavar="DURATION",
+    Duration(minimum=MIN_HEARTBEAT, why="each beat is a query"),
     help="How often the lock is checked (session, default 1s) or renewed (lease).",
 )
-ttl = option(
+ttl = Option(
     "--ttl",
-    envvar="JOBRUN_TTL",
-    type=Duration(),
+    Duration(),
     default="30s",
-    show_default=True,
-    metavar="DURATION",
     help="Lease lifetime without renewal (lease mode).",
 )

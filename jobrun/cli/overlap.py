@@ -36,13 +36,11 @@ if TYPE_CHECKING:
     help="Attempts to make (with --job: per pair, at least 2).",
 )
 @options.database
-@click.option(
-    "--timeout",
-    type=options.Duration(),
+# No variable: JOBRUN_TIMEOUT bounds a run, not an attempt of two commands.
+@options.timeout.but(
     default="60s",
-    show_default=True,
-    metavar="DURATION",
     help="Per attempt: then both commands' process groups are killed.",
+    variable=False,
 )
 @click.option(
     "--start",

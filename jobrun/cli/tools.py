@@ -44,28 +44,10 @@ def key_command(names: tuple[str, ...]) -> int:
 )
 @click.option("--key", "key_name", required=True, metavar="NAME", help="Key to drill with.")
 @options.mode("Lock mode of the drill's runs.")
-@click.option(
-    "--ttl",
-    type=options.Duration(),
-    default="10s",
-    show_default=True,
-    metavar="DURATION",
-    help="Lease TTL.",
-)
-@click.option(
-    "--kill-after",
-    type=options.Duration(),
-    default="2s",
-    show_default=True,
-    metavar="DURATION",
-    help="As for a run.",
-)
-@click.option(
-    "--heartbeat",
-    type=options.Duration(minimum=options.MIN_HEARTBEAT, why="each beat is a query"),
-    metavar="DURATION",
-    help="As for a run.",
-)
+# The run's own options; a drill's runs are short, so its waits are too.
+@options.ttl.but(default="10s")
+@options.kill_after.but(default="2s")
+@options.heartbeat
 @options.database
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill_command(

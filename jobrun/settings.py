@@ -1,0 +1,285 @@
+"""A run's settings: each run option declared once, and the settings built from them, checked."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from jobrun.cli import options
+from jobrun.cli.options import Duration, Option
+from jobrun.exitcodes import Exit, UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from jobrun import keys
+
+#: Field metadata: the option a field of Settings is read from.
+OPTION = "jobrun.option"
+#: Seconds between two checks of a session lock when --heartbeat is not given.
+SESSION_HEARTBEAT = 1.0
+
+
+def declared(declaration: Option) -> Any:
+    """A field of Settings read from ``declaration`` (its default is the option's)."""
+    return dataclasses.field(metadata={OPTION: declaration})
+
+
+def option(flag: str, kind: click.ParamType[Any] | None = None, **spec: Any) -> Any:
+    """A field of Settings read from a run option declared here: see Option."""
+    return declared(Option(flag, kind, **spec))
+
+
+#: The run's keys (Settings.run_keys): they name one thing, so a flag wins over both
+#: variables (jobrun.cli.run).
+KEY_NAMES = Option(
+    "--key",
+    options.Lines(),
+    name="key_names",
+    multiple=True,
+    metavar="NAME",
+    help="Lock name (repeatable: all or nothing, in ascending lock-id order).",
+)
+LOCK_IDS = Option(
+    "--lock-id",
+    options.Commas(),
+    name="lock_ids",
+    multiple=True,
+    metavar="INT",
+    help="Raw signed 64-bit lock id, for interop with code that locks numbers (repeatable).",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A run's options, checked against each other (durations in seconds).
+
+    The three fields first are worked out from the options; every other field is an option,
+    declared here once (flag, kind of value, default, help), and the run command's options
+    are made from these declarations. Adding an option: CONTRIBUTING.md.
+    """
+
+    #: --key and --lock-id, resolved (a flag wins over both variables).
+    run_keys: tuple[keys.Key, ...]
+    #: Whether --dsn was written on the command line (visible in ps).
+    dsn_on_command_line: bool
+    #: lease: how long a renewal vouches for the lease (session: unused).
+    lifetime: float
+
+    dsn: str = declared(options.dsn)
+    connect_timeout: float = declared(options.connect_timeout)
+    mode: str = declared(
+        options.mode(
+            "session: advisory lock on a held connection; lease: TTL row, works through poolers."
+        )
+    )
+    wait: float = option(
+        "--wait", Duration(), default="0", help="Wait this long for the lock before skipping."
+    )
+    wait_report: float = option(
+        "--wait-report",
+        Duration(minimum="1s", why="each report looks the holder up"),
+        default="1m",
+        help="While --wait lasts, say who holds the lock this often (still_waiting events).",
+    )
+    #: None: never (0 given).
+    timeout: float | None = declared(options.timeout)
+    kill_after: float = declared(options.kill_after)
+    #: Worked out when not given: 1 s (session), from --ttl and --kill-after (lease).
+    heartbeat: float = declared(options.heartbeat)
+    ttl: float = declared(options.ttl)
+    skip_exit_code: int = option(
+        "--skip-exit-code",
+        click.IntRange(0, 255),
+        default=int(Exit.SKIPPED),
+        help="Exit status when the lock is held elsewhere.",
+    )
+    on_db_error: str = option(
+        "--on-db-error",
+        click.Choice(["fail", "run"]),
+        default="fail",
+        help="Database unreachable: fail (exit 69) or run the child unguarded.",
+    )
+    on_lock_lost: str = option(
+        "--on-lock-lost",
+        click.Choice(["terminate", "ignore"]),
+        default="terminate",
+        help="Lock lost mid-run: stop the child (exit 76) or log and let it finish.",
+    )
+    #: None: none (0 given).
+    min_hold: float | None = option(
+        "--min-hold",
+        Duration(),
+        help="Keep the lock at least this long after the start (hosts with skewed clocks skip).",
+    )
+    once_per: float | None = option(
+        "--once-per",
+        Duration(minimum="1s", why="it names a window, e.g. 1h or 1d"),
+        help="Skip (already_ran) if the key already ran in this UTC-aligned window, e.g. 1d.",
+    )
+    no_history: bool = option(
+        "--no-history",
+        is_flag=True,
+        help="Do not record runs in jobrun.runs (no streak alerts, no --once-per).",
+    )
+    keep: int = option(
+        "--keep",
+        click.IntRange(min=1),
+        default=100,
+        help="History kept per key: the newest N runs and N skips (and each host's newest skip).",
+    )
+    alert_after: int = option(
+        "--alert-after",
+        click.IntRange(min=0),
+        default=3,
+        help="Error line (and --on-alert) after N skips or failures in a row; 0 disables.",
+    )
+    alert_repeat: float = option(
+        "--alert-repeat",
+        Duration(minimum="1s", why="a streak alerts again at most this often"),
+        default="1h",
+        help="While a streak lasts, alert again at most this often (then once: recovered).",
+    )
+    on_alert: str | None = option(
+        "--on-alert",
+        metavar="CMD",
+        help="Command run on a streak alert (event JSON on stdin and in JOBRUN_ALERT_*).",
+    )
+    metrics_file: str | None = option(
+        "--metrics-file",
+        metavar="PATH",
+        help="Prometheus textfile written after each run or skip ({key} is replaced).",
+    )
+    expect_every: float | None = option(
+        "--expect-every",
+        Duration(minimum="1s", why="it is how often the job should succeed"),
+        help="The key should succeed this often: status --check says overdue past it plus grace.",
+    )
+    #: 10% of --expect-every when not given; None without --expect-every.
+    expect_grace: float | None = option(
+        "--expect-grace",
+        Duration(),
+        help="Slack past --expect-every before a key is overdue (default: 10% of it).",
+    )
+    slots: int = option(
+        "--slots",
+        click.IntRange(1, 256),
+        default=1,
+        metavar="N",
+        help="At most N runs of the key at once (the child gets JOBRUN_SLOT, 0-based).",
+    )
+    ping: str | None = option(
+        "--ping",
+        metavar="URL",
+        help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip.",
+    )
+    ping_timeout: float = option(
+        "--ping-timeout",
+        Duration(minimum="100ms", why="a ping needs time to reach the monitor"),
+        default="5s",
+        help="Longest one ping may take, retries included (never changes the exit status).",
+    )
+    keep_output: str | None = option(
+        "--keep-output",
+        metavar="SIZE",
+        help="Keep the last SIZE bytes (e.g. 16KiB) of stdout and stderr of failed runs.",
+    )
+    #: Also set by JOBRUN_FENCING, the variable's old name (jobrun.cli.run).
+    fence: bool = option(
+        "--fence",
+        is_flag=True,
+        help="Give the child a fencing token in JOBRUN_FENCE_TOKEN (greater than any earlier one).",
+    )
+    pass_env: tuple[str, ...] = option(
+        "--pass-env",
+        options.PassedName(),
+        multiple=True,
+        metavar="NAME",
+        help="Give the child and the hook this variable of jobrun's own that can hold a secret "
+        "(JOBRUN_DSN, JOBRUN_PING, JOBRUN_ON_ALERT): withheld otherwise (repeatable).",
+    )
+    mask_env: tuple[str, ...] = option(
+        "--mask-env",
+        options.VariableName(),
+        multiple=True,
+        metavar="NAME",
+        help="Mask this variable's value (as ***) in kept output, pings and the alert hook's "
+        "event, like the DSN's password (repeatable).",
+    )
+    log_format: str = declared(options.log_format)
+    log_file: str | None = declared(options.log_file)
+    log_level: str = declared(options.log_level)
+
+    @classmethod
+    def declarations(cls) -> tuple[Option, ...]:
+        """The options a field is read from, in the order of the fields (and of --help)."""
+        return tuple(
+            field.metadata[OPTION] for field in dataclasses.fields(cls) if OPTION in field.metadata
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: Mapping[str, Any], *, run_keys: tuple[keys.Key, ...], dsn_on_command_line: bool
+    ) -> Settings:
+        """The settings of click's parsed ``params``, checked; usage errors exit 64."""
+        given = {
+            declaration.param_name: params[declaration.param_name]
+            for declaration in cls.declarations()
+        }
+        heartbeat, lifetime = given["heartbeat"] or SESSION_HEARTBEAT, 0.0
+        if given["mode"] == "lease":
+            from jobrun.locks.lease import LeaseTiming  # noqa: PLC0415 - lease mode only
+
+            # The lease's timing is checked where it is kept: LeaseTiming.
+            lease = LeaseTiming.from_options(
+                ttl=given["ttl"], kill_after=given["kill_after"], heartbeat=given["heartbeat"]
+            )
+            heartbeat, lifetime = lease.heartbeat, lease.lifetime
+        check(given, run_keys)
+        every, grace = given["expect_every"], given["expect_grace"]
+        return cls(
+            **{
+                **given,
+                "timeout": given["timeout"] or None,
+                "heartbeat": heartbeat,
+                "min_hold": given["min_hold"] or None,
+                "expect_grace": None if every is None else every / 10 if grace is None else grace,
+            },
+            run_keys=run_keys,
+            dsn_on_command_line=dsn_on_command_line,
+            lifetime=lifetime,
+        )
+
+
+def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
+    """The run options' rules about each other (an option alone is checked by its kind)."""
+    no_history = given["no_history"]
+    if given["once_per"] is not None and no_history:
+        raise UsageError("--once-per needs the run history: drop --no-history")
+    if given["expect_every"] is not None and no_history:
+        raise UsageError("--expect-every is kept in the run history: drop --no-history")
+    if given["slots"] > 1 and (len(run_keys) != 1 or run_keys[0].name is None):
+        raise UsageError("--slots takes one key name (--key NAME)")
+    if given["expect_grace"] is not None and given["expect_every"] is None:
+        raise UsageError("--expect-grace goes with --expect-every")
+    if given["fence"] and given["on_db_error"] == "run":
+        raise UsageError(
+            "--fence with --on-db-error run: a run without the database has no fencing "
+            "token; drop one of them"
+        )
+    if no_history and given["ping"] is None and _keeps_output(given["keep_output"]):
+        raise UsageError(
+            "--keep-output keeps the tails in the run history and sends them with --ping: "
+            "drop --no-history or add --ping"
+        )
+
+
+def _keeps_output(keep_output: str | None) -> bool:
+    """Whether --keep-output keeps anything (``0`` keeps nothing)."""
+    if keep_output is None:
+        return False
+    from jobrun import tail  # noqa: PLC0415 - only with --keep-output
+
+    return tail.parse_size(keep_output) > 0
