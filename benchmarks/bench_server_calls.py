@@ -16,13 +16,10 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import psycopg
 
-from support.pgserver import PgServer
+from jobrun.testing.pgserver import PgServer
 
 _ENTRY = re.compile(r"\n(?=\d{4}-\d\d-\d\d )")
 _STATEMENT = re.compile(r"LOG:  (statement|execute [^:]*):")

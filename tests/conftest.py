@@ -12,18 +12,17 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from support import EXAMPLES_PROPERTY
-from support.pgbouncer import PgBouncer, require_pgbouncer
-from support.pgserver import (
-    PgBinNotFoundError,
+from jobrun.testing.pgbouncer import PgBouncer, require_pgbouncer
+from jobrun.testing.pgserver import (
     PgServer,
     create_database,
     drop_database,
-    find_pg_bin,
     server_address,
     server_version,
 )
-from support.proxy import TcpProxy
+from jobrun.testing.proxy import TcpProxy
+from jobrun.throwaway import NoPostgresError, find_pg_bin
+from support import EXAMPLES_PROPERTY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -60,7 +59,7 @@ def pytest_report_header() -> list[str]:
     try:
         bin_dir = find_pg_bin()
         detail = f"{server_version(bin_dir)}, {bin_dir}"
-    except (PgBinNotFoundError, OSError, subprocess.SubprocessError) as exc:
+    except (NoPostgresError, OSError, subprocess.SubprocessError) as exc:
         detail = f"unavailable: {exc}"
     return [f"jobrun test server: private throwaway server, started once per session ({detail})"]
 

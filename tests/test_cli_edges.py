@@ -15,7 +15,7 @@ from jobrun import __version__, fence
 from jobrun.cli import cli
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import TABLE
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
 

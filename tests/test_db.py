@@ -21,16 +21,16 @@ from jobrun.db import connecting
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
-from support import jobrun_cli
-from support.jobrun_cli import event
-from support.pgserver import server_major
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event
+from jobrun.testing.pgserver import server_major
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
     from subprocess import CompletedProcess
 
-    from support.pgserver import PgServer
+    from jobrun.testing.pgserver import PgServer
 
 #: libpq's connect_timeout is whole seconds and at least 2: what jobrun must do better than.
 LIBPQ_MINIMUM_TIMEOUT = 2.0

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
-import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .managed import Managed
@@ -38,8 +37,10 @@ def find_pgbouncer() -> Path | None:
     return next((Path(p) for p in _SEARCH if os.access(p, os.X_OK)), None)
 
 
-def require_pgbouncer() -> Path:
+def require_pgbouncer() -> Path:  # noqa: RET503 - pytest.skip and pytest.fail raise
     """find_pgbouncer(), or skip the test; on CI (CI=true) fail instead of skipping."""
+    import pytest  # noqa: PLC0415 - only a test calls this; the harness itself needs no pytest
+
     binary = find_pgbouncer()
     if binary is not None:
         return binary

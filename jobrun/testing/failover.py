@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from psycopg.conninfo import make_conninfo
 
-from support.pgserver import PgServer
-from support.proxy import TcpProxy
+from .pgserver import PgServer
+from .proxy import TcpProxy
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -120,5 +120,5 @@ time.sleep(float(sys.argv[3]))
 def window_child(
     lockfile: str, marker: str, seconds: float = 300, exit_delay: float = 0
 ) -> list[str]:
-    """argv of a WINDOW_CHILD."""
+    """Argv of a WINDOW_CHILD."""
     return [sys.executable, "-c", WINDOW_CHILD, lockfile, marker, str(seconds), str(exit_delay)]
