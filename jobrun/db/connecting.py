@@ -7,7 +7,6 @@ import math
 import os
 import random
 import re
-import signal
 import socket
 import threading
 import time
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.adapt import AdaptersMap, Dumper
 
-from jobrun import sql
+from jobrun import sql, threads
 from jobrun.exitcodes import TLS, LockStoreUnavailable, UsageError
 from jobrun.log import safe_text
 
@@ -280,15 +279,7 @@ def _connect_once(
     if remaining <= 0:
         raise _ConnectTimeoutError
     attempt = _Attempt(_connection_kwargs(target, params, app_name, remaining), target.dsn)
-    thread = threading.Thread(target=attempt.run, name="jobrun-connect", daemon=True)
-    # WARNING: a signal delivered to a thread runs the main thread's Python handler at once,
-    # even while the main thread blocks that signal (a guarded child runs): the thread
-    # inherits a mask that blocks every signal, so they all stay with the main thread.
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    threads.start(attempt.run, name="jobrun-connect")
     try:
         finished = attempt.done.wait(min(remaining, SLOW_CONNECT))
         if not finished and target.on_slow_connect is not None:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from .managed import Managed
-from .pgserver import RunAs, free_port, log_tail, make_private_dir
+from .pgserver import RunAs, dsn_through, free_port, log_tail, make_private_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -113,11 +113,7 @@ class PgBouncer(Managed):
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` (same user, dbname...) with host and port pointing at PgBouncer."""
-        params = conninfo_to_dict(server_dsn)
-        params.pop("hostaddr", None)  # it would override host
-        params["host"] = self.host
-        params["port"] = str(self.port)
-        return make_conninfo("", **params)
+        return dsn_through(server_dsn, self.host, self.port)
 
     def admin_dsn(self) -> str:
         """The admin console (SHOW POOLS, SHOW SERVERS...): simple query protocol only."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun.throwaway import RUN_AS_WHEN_ROOT, find_pg_bin
 
@@ -583,6 +583,15 @@ def drop_database(admin_dsn: str, name: str) -> None:
         since = conn.info.server_version >= _FORCE_SINCE
         force = sql.SQL(" WITH (FORCE)") if since else sql.SQL("")
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force))
+
+
+def dsn_through(server_dsn: str, host: str, port: int) -> str:
+    """``server_dsn`` (same user, dbname...) with host and port pointing at a proxy or pooler."""
+    params = conninfo_to_dict(server_dsn)
+    params.pop("hostaddr", None)  # it would override host
+    params["host"] = host
+    params["port"] = str(port)
+    return make_conninfo("", **params)
 
 
 def server_address(dsn: str) -> tuple[str, int]:

@@ -11,9 +11,8 @@ import struct
 import threading
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from .managed import Managed
+from .pgserver import dsn_through
 
 T = TypeVar("T")
 
@@ -119,11 +118,7 @@ class TcpProxy(Managed):
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` with host and port pointing at this proxy."""
-        params = conninfo_to_dict(server_dsn)
-        params.pop("hostaddr", None)  # it would override host
-        params["host"] = self.host
-        params["port"] = str(self.port)
-        return make_conninfo("", **params)
+        return dsn_through(server_dsn, self.host, self.port)
 
     def drop_all(self) -> int:
         """Reset all current connections (clients see "connection reset"); return how many."""
