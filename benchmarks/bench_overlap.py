@@ -1,6 +1,6 @@
 """How often ``jobrun overlap`` reproduces a deadlock: figures per scenario, not a test.
 
-Each scenario is a pair of small psycopg jobs (tests/support/overlap_scenarios.py) with
+Each scenario is a pair of small psycopg jobs (jobrun/testing/overlap_scenarios.py) with
 0.3 s of work between their statements: six that can deadlock (opposite row order; a
 job that works 1.5 s before its first statement; a foreign key's key-share lock against
 a change of the parent; FOR SHARE upgraded to UPDATE; advisory locks in opposite order;

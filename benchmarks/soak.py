@@ -54,7 +54,8 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun.testing import jobrun_cli
 from jobrun.testing.failover import FailoverPair, window_child
-from jobrun.testing.pgserver import PgServer, server_version
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import server_version
 from jobrun.testing.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent

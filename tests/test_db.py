@@ -23,7 +23,7 @@ from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event
-from jobrun.testing.pgserver import server_major
+from jobrun.testing.pgtools import server_major
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

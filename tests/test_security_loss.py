@@ -23,7 +23,8 @@ from jobrun.locks.lease import LeaseTiming
 from jobrun.locks.session import CONFIRMATION_LIFETIME
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
-from jobrun.testing.pgserver import PgServer, RunAs, make_private_dir
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import RunAs, make_private_dir
 from jobrun.throwaway import find_pg_bin
 from support.history import ensure_runs_table
 

@@ -13,7 +13,7 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun import sql as jobrun_sql
 from jobrun.testing import jobrun_cli
-from jobrun.testing.pgserver import create_database, drop_database
+from jobrun.testing.pgtools import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -16,7 +16,8 @@ from jobrun.testing import pgbouncer as pgbouncer_module
 from jobrun.testing.failover import FailoverPair
 from jobrun.testing.managed import Managed
 from jobrun.testing.pgbouncer import PgBouncer
-from jobrun.testing.pgserver import TEMP_ROOT_ENV, PgServer, PgServerError
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import TEMP_ROOT_ENV, PgServerError
 from jobrun.testing.proxy import TcpProxy
 from jobrun.throwaway import PGBIN_ENV, NoPostgresError, find_pg_bin
 

@@ -16,7 +16,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from .managed import Managed
-from .pgserver import RunAs, dsn_through, free_port, log_tail, make_private_dir
+from .pgtools import RunAs, dsn_through, free_port, log_tail, make_private_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

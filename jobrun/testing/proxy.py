@@ -12,7 +12,7 @@ import threading
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from .managed import Managed
-from .pgserver import dsn_through
+from .pgtools import dsn_through
 
 T = TypeVar("T")
 
