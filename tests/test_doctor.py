@@ -228,28 +228,30 @@ class TestDeadlockLogging:
     """Whether the server log can confirm a deadlock and name both jobs: NOTE, never FAIL."""
 
     def test_missing_forensics_settings_are_notes(self, doctor, private_server_factory):
-        """log_lock_waits and log_connections off, no %a: three NOTE lines, exit 0."""
+        """log_lock_waits, log_connections, log_disconnections off, no %a: NOTE lines, exit 0."""
         server = private_server_factory({"log_lock_waits": "off", "log_connections": "off"})
         result = doctor(server.dsn(), "--json")
         rows = findings(result)
-        for name in ("log_lock_waits", "log_connections", "log_line_prefix"):
+        for name in ("log_lock_waits", "log_connections", "log_disconnections", "log_line_prefix"):
             assert rows[name]["status"] == "NOTE", rows[name]
         assert "%a" in rows["log_line_prefix"]["detail"]
         assert rows["deadlock_timeout"]["status"] == "OK"
         assert result.return_value == 0
 
     def test_forensics_settings_in_place_are_ok(self, doctor, private_server_factory):
-        """log_lock_waits, log_connections, %a and a usual deadlock_timeout: all OK."""
+        """log_lock_waits, log_(dis)connections, %a and a usual deadlock_timeout: all OK."""
         server = private_server_factory(
             {
                 "log_lock_waits": "on",
                 "log_connections": "on",
+                "log_disconnections": "on",
                 "log_line_prefix": "%m [%p] %q%u@%d %a ",
                 "deadlock_timeout": "200ms",
             }
         )
         rows = findings(doctor(server.dsn(), "--json"))
-        for name in ("log_lock_waits", "log_connections", "log_line_prefix", "deadlock_timeout"):
+        names = ("log_lock_waits", "log_connections", "log_disconnections", "log_line_prefix")
+        for name in (*names, "deadlock_timeout"):
             assert rows[name]["status"] == "OK", rows[name]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psycopg
 import pytest
 
 from jobrun.testing.pgserver import PgServer
@@ -23,6 +24,11 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "deadlock"
 README = EXAMPLE / "README.md"
 #: The log path the README shows, replaced by the test server's real log file.
 README_LOG = "/var/log/postgresql/postgresql-16-main.log"
+#: The syslog the README shows cron's lines in, replaced by one the test writes as
+#: Debian's cron would have (no cron daemon runs in a test).
+README_SYSLOG = "/var/log/syslog"
+#: The user cron runs the README's crontab as, in those lines.
+CRON_USER = "app"
 #: Per command; the overlap commands make several attempts of a few seconds each.
 COMMAND_TIMEOUT = 300
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -64,10 +70,15 @@ def settings() -> dict[str, str]:
     return {name.strip(): value.strip().strip("'") for name, value in pairs}
 
 
-def crontab_commands() -> list[list[str]]:
+def crontab_commands() -> list[str]:
     """The commands of the README's crontab lines (the five schedule fields dropped)."""
     (tab,) = [body for lang, body in blocks() if lang == "crontab"]
-    return [shlex.split(line)[5:] for line in tab.splitlines() if line.strip()]
+    return [line.split(None, 5)[5] for line in tab.splitlines() if line.strip()]
+
+
+def syslog(server: PgServer) -> Path:
+    """Where the test writes the cron lines the README reads from /var/log/syslog."""
+    return server.data_dir / "syslog"
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +111,7 @@ def staging() -> Iterator[tuple[PgServer, dict[str, str]]]:
 def shell(server: PgServer, env: dict[str, str], line: str) -> subprocess.CompletedProcess[str]:
     """One README command, as a user would type it, in the example's directory."""
     line = line.replace(README_LOG, str(server.data_dir / "log" / "postgresql.log"))
+    line = line.replace(README_SYSLOG, str(syslog(server)))
     return subprocess.run(
         ["bash", "-c", line],
         cwd=EXAMPLE,
@@ -111,15 +123,38 @@ def shell(server: PgServer, env: dict[str, str], line: str) -> subprocess.Comple
     )
 
 
-def last_night(env: dict[str, str]) -> list[int]:
-    """The crontab lines, started at the same moment as cron would: their exit statuses."""
-    jobs = [
-        subprocess.Popen(argv, cwd=EXAMPLE, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for argv in crontab_commands()
-    ]
-    for job in jobs:
+def last_night(server: PgServer, env: dict[str, str]) -> list[int]:
+    """The crontab lines, started at the same moment as cron would: their exit statuses.
+
+    Each start is written to the syslog as Debian's cron logs it (``CRON[pid]: (user) CMD
+    (command)``, no end line), in the server log's time zone.
+    """
+    with psycopg.connect(server.dsn()) as conn:
+        row = conn.execute(
+            "SELECT (now() AT TIME ZONE current_setting('log_timezone'))::timestamp"
+        ).fetchone()
+    assert row is not None
+    when = row[0]
+    stamp = f"{when:%b} {when.day:>2} {when:%H:%M:%S}"
+    jobs = {
+        command: subprocess.Popen(
+            shlex.split(command),
+            cwd=EXAMPLE,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for command in crontab_commands()
+    }
+    syslog(server).write_text(
+        "".join(
+            f"{stamp} staging-db CRON[{job.pid}]: ({CRON_USER}) CMD ({command})\n"
+            for command, job in jobs.items()
+        )
+    )
+    for job in jobs.values():
         job.communicate(timeout=COMMAND_TIMEOUT)
-    return sorted(job.returncode for job in jobs)
+    return sorted(job.returncode for job in jobs.values())
 
 
 def is_history_overlapping(command: Command) -> bool:
@@ -150,9 +185,10 @@ class TestWalkThrough:
         """Doctor, schema, last night's crontab, deadlocks, overlap before and after the fix."""
         server, env = staging
         ran: list[str] = []
+        lines: list[str] = []
         for lang, body in blocks():
             if lang == "crontab":
-                assert last_night(env) == [0, 1], "the two jobs did not deadlock"
+                assert last_night(server, env) == [0, 1], "the two jobs did not deadlock"
                 ran.append("crontab")
                 continue
             if lang != "console":
@@ -168,10 +204,28 @@ class TestWalkThrough:
                     assert "OVERLAP" in header, result.stdout
                     assert len(pairs) == 1, result.stdout
                     assert "failed" in pairs[0], result.stdout
+                if README_SYSLOG in command.line:  # both cron commands ran at the deadlock
+                    running = [x for x in result.stdout.splitlines() if x.startswith("  running:")]
+                    assert len(running) == len(crontab_commands()), result.stdout
+                    assert all(f"cron ({CRON_USER}) jobrun --key " in x for x in running)
+                lines.append(command.line)
                 ran.append(command.line.split(" -")[0])
         assert ran[:1] == ["jobrun doctor | grep"]
         assert "jobrun deadlocks /var/log/postgresql/postgresql-16-main.log" in ran
         assert ran.count("jobrun overlap") == 2  # before and after the fix
+        # The nights both jobs ran, without jobrun's history: sessions, then cron's log.
+        assert any(line.startswith("jobrun deadlocks --sessions ") for line in lines)
+        assert any(line.startswith("jobrun deadlocks --cron-log ") for line in lines)
         assert ran.index("crontab") < ran.index(
             "jobrun deadlocks /var/log/postgresql/postgresql-16-main.log"
         )
+
+
+class TestScripts:
+    """The example's jobs run as ``./invoices.py``, the way a crontab or --first names them."""
+
+    @pytest.mark.parametrize("script", sorted(EXAMPLE.glob("*.py")), ids=lambda p: p.name)
+    def test_script_is_executable_with_a_shebang(self, script):
+        """Mode 755 and a ``#!`` line: running it by path does not fail with 126."""
+        assert os.access(script, os.X_OK), f"{script.name} is not executable"
+        assert script.read_text().startswith("#!/usr/bin/env python3\n"), script.name

@@ -193,6 +193,7 @@ ATTEMPT_FIELDS = {
     "pids",
     "statements",
     "cycle",
+    "advice",
     "waits",
     "deadlock_lines",
     "server_timeout_lines",

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Nightly invoices: charge customers, then credit the fees account (locks row 1, then 2).
 
 The connection comes from the libpq environment (PGHOST, PGDATABASE, ... or PGSERVICE);

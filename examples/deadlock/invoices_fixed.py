@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Nightly invoices, fixed: lock both rows first, in id order, then update them.
 
 Every job that touches several accounts takes their row locks in one global order (by id),

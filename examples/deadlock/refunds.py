@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Nightly refunds: take back fees, then pay customers (locks row 2, then 1).
 
 The opposite order to invoices.py: when the two overlap, each waits for the other's row.

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Nightly refunds, fixed: lock both rows first, in id order, then update them."""
 
 import os

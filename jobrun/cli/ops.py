@@ -185,20 +185,71 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
     help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
 )
 @click.option("--check", is_flag=True, help="Exit 1 when the logs hold any deadlock.")
+@click.option(
+    "--sessions",
+    is_flag=True,
+    help="Under each deadlock, the applications connected at that moment (from "
+    "log_connections/log_disconnections lines), and the pairs there together across them.",
+)
+@click.option(
+    "--cron-log",
+    "cron_logs",
+    multiple=True,
+    metavar="FILE",
+    help="cron's lines (a syslog, journalctl text): the commands running at each deadlock. "
+    "Implies --sessions.",
+)
+@click.option(
+    "--journal",
+    "journals",
+    multiple=True,
+    metavar="FILE",
+    help="journalctl -o json of the jobs' units: the units running at each deadlock. "
+    "Implies --sessions.",
+)
+@click.option(
+    "--assume-duration",
+    type=options.Duration(minimum="1s"),
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long a cron run whose end is not logged (Debian's cron) is taken to last, "
+    "unless the same command starts again sooner.",
+)
 @options.as_json
-def deadlocks_command(
-    logfiles: tuple[str, ...], prefix: str | None, check: bool, as_json: bool
+def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
+    logfiles: tuple[str, ...],
+    prefix: str | None,
+    check: bool,
+    sessions: bool,
+    cron_logs: tuple[str, ...],
+    journals: tuple[str, ...],
+    assume_duration: float,
+    as_json: bool,
 ) -> int:
     """Find every deadlock in PostgreSQL server logs and name both sides.
 
-    LOGFILE: a stderr, csvlog or jsonlog file (.gz too), or - for stdin. With %a in
-    log_line_prefix (or csvlog/jsonlog) each side is named by its application, which is
-    jobrun:<key> for a job jobrun runs. Exit status: 0 when read (1 with --check when a
-    deadlock was found), 66 when a file cannot be read, 65 when it is not a PostgreSQL log.
+    LOGFILE: a server log as stderr (any log_line_prefix), csvlog, jsonlog, syslog, or a
+    cloud download or export (RDS, Azure, Cloud SQL, Heroku, CloudNativePG); gzip, bzip2
+    or xz packed; - for stdin. With %a in log_line_prefix (or csvlog/jsonlog) each side is
+    named by its application, which is jobrun:<key> for a job jobrun runs. --sessions,
+    --cron-log and --journal say who else was there at each deadlock. Exit status: 0 when
+    read (1 with --check when a deadlock was found), 66 when a file cannot be read, 65
+    when it is not a PostgreSQL log.
     """
-    from jobrun import deadlocks
+    import datetime as dt
 
-    return deadlocks.run(logfiles, prefix=prefix, as_json=as_json, check=check, echo=click.echo)
+    from jobrun import deadlocks
+    from jobrun.deadlocks.together import Asked
+
+    asked = (
+        Asked(cron_logs, journals, dt.timedelta(seconds=assume_duration))
+        if sessions or cron_logs or journals
+        else None
+    )
+    return deadlocks.run(
+        logfiles, prefix=prefix, as_json=as_json, check=check, echo=click.echo, asked=asked
+    )
 
 
 @click.command("show", cls=Subcommand, takes=("dsn", "connect_timeout"))

@@ -12,25 +12,28 @@ from jobrun.cli import options
 from jobrun.cli.group import Subcommand
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from jobrun import overlap
 
 
 @click.command("overlap", cls=Subcommand, takes=("dsn", "connect_timeout"))
+@click.option("--first", metavar="CMD", help="Command A (shell-style quoting, no shell).")
+@click.option("--second", metavar="CMD", help="Command B (shell-style quoting, no shell).")
 @click.option(
-    "--first", required=True, metavar="CMD", help="Command A (shell-style quoting, no shell)."
-)
-@click.option(
-    "--second",
-    required=True,
+    "--job",
+    "jobs",
+    multiple=True,
     metavar="CMD",
-    help="Command B (shell-style quoting, no shell).",
+    help="Instead of --first/--second: one of several commands (give it 2+ times); every "
+    "pair is run against each other in both orders, and a matrix printed.",
 )
 @click.option(
     "--runs",
     type=click.IntRange(1, 100_000),
     default=10,
     show_default=True,
-    help="Attempts to make.",
+    help="Attempts to make (with --job: per pair, at least 2).",
 )
 @options.database
 @click.option(
@@ -61,8 +64,9 @@ if TYPE_CHECKING:
 @options.as_json
 def overlap_command(
     *,
-    first: str,
-    second: str,
+    first: str | None,
+    second: str | None,
+    jobs: tuple[str, ...],
     runs: int,
     dsn: str,
     connect_timeout: float,
@@ -85,16 +89,28 @@ def overlap_command(
     statement, which lock. Exit status: 0 when no attempt deadlocked, 1 when one did,
     128+N when stopped by signal N (both commands are killed, their sessions ended).
 
+    With --job given three or more times (or twice), every pair of the commands is run
+    that way, each in both orders, and a matrix says which pairs deadlocked, which were
+    clean and which failed, with each cycle's suggested fix. Exit 1 if any pair deadlocked.
+
     WARNING: the commands run for real, N times: use a staging database.
     """
     import json
 
     from jobrun import overlap
+    from jobrun.exitcodes import UsageError
+    from jobrun.overlap import matrix
 
+    if jobs and (first is not None or second is not None):
+        raise UsageError("--job replaces --first and --second: give one form or the other")
+    if not jobs and (first is None or second is None):
+        missing = "--first" if first is None else "--second"
+        raise UsageError(f"{missing} is missing: give --first and --second, or --job 2+ times")
+    commands = [overlap.parse_command(job, option="--job") for job in jobs]
     start_mode, delay = overlap.parse_start(start)
     plan = overlap.Plan(
-        first=overlap.parse_command(first, option="--first"),
-        second=overlap.parse_command(second, option="--second"),
+        first=commands[0] if commands else overlap.parse_command(str(first), option="--first"),
+        second=commands[-1] if commands else overlap.parse_command(str(second), option="--second"),
         target=options.target(dsn, connect_timeout),
         runs=runs,
         timeout=timeout,
@@ -102,6 +118,12 @@ def overlap_command(
         delay=delay,
         alternate=order == "alternate",
     )
+    if commands:
+        found = matrix.run_matrix(
+            plan, commands, progress=None if as_json else _pair_progress(runs)
+        )
+        click.echo(json.dumps(found.as_json(), indent=2) if as_json else matrix.text(found))
+        return found.exit_status
     progress = None if as_json else _Progress(runs)
     try:
         report = overlap.run(plan, progress=progress)
@@ -150,3 +172,17 @@ class _Progress:
         """Erase the terminal's progress line before the report."""
         if self._shown:
             click.echo(self.ERASE, nl=False, err=True)
+
+
+def _pair_progress(runs: int) -> Callable[[int, int, overlap.Attempt], None]:
+    """One stderr line per finished attempt of a pair of --job commands."""
+    from jobrun import overlap
+
+    def show(first: int, second: int, attempt: overlap.Attempt) -> None:
+        click.echo(
+            f"jobrun overlap: J{first + 1} (A) + J{second + 1} (B): attempt "
+            f"{attempt.number}/{runs}: {attempt.outcome} ({overlap.summary(attempt)})",
+            err=True,
+        )
+
+    return show

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobrun.deadlocks.sessions import Session
 
 #: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
 JOB_PREFIX = "jobrun:"
@@ -94,6 +97,7 @@ class Deadlock:
             "context": self.context,
             "statement": self.statement,
             "also_in": self.also_in,
+            "suggested_fix": _suggested(self),
         }
 
 
@@ -152,6 +156,8 @@ class Found:
     deadlocks: list[Deadlock] = field(default_factory=list)
     files: list[FileRead] = field(default_factory=list)
     storms: list[Storm] = field(default_factory=list)
+    #: Sessions from log_connections / log_disconnections lines, every file together.
+    sessions: list[Session] = field(default_factory=list)
 
     @property
     def unread(self) -> list[FileRead]:
@@ -165,6 +171,13 @@ class Found:
             "files": [read.as_json() for read in self.files],
             "storms": [storm.as_json() for storm in self.storms],
         }
+
+
+def _suggested(deadlock: Deadlock) -> dict[str, Any] | None:
+    from jobrun.deadlocks.advice import suggest  # noqa: PLC0415 - advice reads this module
+
+    found = suggest(deadlock)
+    return found.as_json() if found else None
 
 
 def parse_detail(detail: str) -> list[Side]:

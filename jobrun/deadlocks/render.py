@@ -5,23 +5,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jobrun.deadlocks import together
+from jobrun.deadlocks.advice import suggest
 from jobrun.deadlocks.scan import find
 from jobrun.deadlocks.sources import NoInputError
+from jobrun.escape import printable as _printable
 from jobrun.exitcodes import OutputError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side
-
-#: C0 and C1 control characters but the tab, and DEL: a log's text never reaches a
-#: terminal with them raw (an ESC could rewrite the screen, a CR hide a line).
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def run(
@@ -31,20 +29,33 @@ def run(
     as_json: bool,
     check: bool,
     echo: Callable[[str], None],
+    asked: together.Asked | None = None,
 ) -> int:
     """``jobrun deadlocks``: print what the logs hold, and the worst status of any file.
 
     66 or 65 when a file could not be read or understood (every other file's deadlocks are
     printed all the same); else 1 with ``check`` when there is a deadlock; else 0.
+    With ``asked``: also who was connected and what was running at each deadlock.
     """
     paths = list(paths)
-    for path in paths:  # a missing file is a typo: said before any output
+    for path in [*paths, *(asked.files if asked else ())]:  # a typo: said before any output
         if path != "-" and not (Path(path).is_file() and os.access(path, os.R_OK)):
             reason = "no such file" if not Path(path).exists() else "not a readable file"
             raise NoInputError(f"cannot read {path}: {reason}")
-    found = find(paths, prefix=prefix)
+    found = find(paths, prefix=prefix, sessions=asked is not None)
+    there = (
+        together.gather(found.deadlocks, found.sessions, asked.runs(found.deadlocks))
+        if asked
+        else None
+    )
     try:
-        echo(json.dumps(found.as_json(), indent=2) if as_json else report(found))
+        if as_json:
+            fields = found.as_json()
+            if there is not None:
+                fields["sessions"] = there.as_json()
+            echo(json.dumps(fields, indent=2))
+        else:
+            echo(report(found, there))
         sys.stdout.flush()
     except OSError as exc:
         raise OutputError(f"cannot write the report: {exc.strerror or exc}") from None
@@ -67,11 +78,17 @@ def describe(side: Side) -> str:
     return _printable(f"process {side.pid} ({side.application}{job}{source})")
 
 
-def report(found: Found) -> str:
-    """The deadlocks for people: each side's process, application, lock and statement."""
+def report(found: Found, there: together.Together | None = None) -> str:
+    """The deadlocks for people: each side's process, application, lock and statement.
+
+    With ``there``: under each deadlock who was connected and what was running, and at the
+    end the pairs that were there together.
+    """
     out: list[str] = []
-    for deadlock in found.deadlocks:
+    for number, deadlock in enumerate(found.deadlocks):
         out.extend(_deadlock(deadlock))
+        if there is not None:
+            out.extend(together.moment_lines(there.moments[number], there))
     for storm in found.storms:
         first, last = storm.deadlocks[0].time, storm.deadlocks[-1].time
         out.append(
@@ -87,6 +104,8 @@ def report(found: Found) -> str:
     unread = f", {len(found.unread)} not read" if found.unread else ""
     out.append(f"{len(found.deadlocks)} deadlock(s) in {len(found.files)} file(s){unread}")
     out.extend(f"  {count} x {pair}" for pair, count in _pairs(found.deadlocks).items())
+    if there is not None:
+        out.extend(together.table_lines(there))
     return "\n".join(out)
 
 
@@ -104,6 +123,9 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
             out.append(f"    running: {' '.join(side.statement.split())}")
     if deadlock.context:
         out.append(f"  context: {' '.join(deadlock.context.split())}")
+    suggestion = suggest(deadlock)
+    if suggestion is not None:
+        out.append(f"  suggested fix ({suggestion.shape}): {suggestion.fix}")
     if not any(side.application for side in deadlock.sides):
         out.append(
             "  note: the log does not carry application names: add %a to "
@@ -136,8 +158,3 @@ def _pairs(deadlocks: Iterable[Deadlock]) -> dict[str, int]:
         label = _printable(" <-> ".join(names))
         counts[label] = counts.get(label, 0) + 1
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
-
-
-def _printable(text: str) -> str:
-    """The text with every control character but the tab shown as a visible ``\\xNN``."""
-    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)

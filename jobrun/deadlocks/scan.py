@@ -7,6 +7,7 @@ from typing import IO, TYPE_CHECKING
 
 from jobrun.deadlocks.formats import read_entries
 from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
+from jobrun.deadlocks.sessions import SessionLog
 from jobrun.deadlocks.sources import NoInputError, open_log
 from jobrun.deadlocks.storms import storms
 from jobrun.exitcodes import Exit
@@ -30,18 +31,25 @@ _SECOND = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)")
 
 
 def find(
-    paths: Iterable[str], *, prefix: str | None = None, stdin: IO[bytes] | None = None
+    paths: Iterable[str],
+    *,
+    prefix: str | None = None,
+    stdin: IO[bytes] | None = None,
+    sessions: bool = False,
 ) -> Found:
     """Every deadlock in the logs at ``paths`` (``-``: ``stdin``), each file reported on.
 
     A file that cannot be understood is reported with the reason and the others are still
     read. The same deadlock logged in two files (a server's csvlog and jsonlog, a stderr
-    log and its cloud export) is counted once, from the first file that has it.
+    log and its cloud export) is counted once, from the first file that has it. With
+    ``sessions``, connection and disconnection lines are kept as sessions (a small record
+    per line, which is why it is asked for).
     """
     found = Found()
     seen: dict[Hashable, Deadlock] = {}
+    log = SessionLog() if sessions else None
     for path in paths:
-        scanner = _read(path, prefix, stdin)
+        scanner = _read(path, prefix, stdin, log)
         found.files.append(scanner.file)
         for deadlock in scanner.deadlocks:
             key = _identity(deadlock)
@@ -54,12 +62,15 @@ def find(
                 seen[key] = deadlock
             found.deadlocks.append(deadlock)
     found.storms = storms(found.deadlocks)
+    found.sessions = log.sessions() if log is not None else []
     return found
 
 
-def _read(path: str, prefix: str | None, stdin: IO[bytes] | None) -> _Scanner:
+def _read(
+    path: str, prefix: str | None, stdin: IO[bytes] | None, sessions: SessionLog | None
+) -> _Scanner:
     """One file read to its end; its FileRead says what it was read as, or why not."""
-    scanner = _Scanner(path if path != "-" else "(stdin)")
+    scanner = _Scanner(path if path != "-" else "(stdin)", sessions)
     try:
         with open_log(path, stdin) as (stream, packed):
             reading = read_entries(stream, scanner.source, prefix)
@@ -101,8 +112,9 @@ def _identity(deadlock: Deadlock) -> Hashable | None:
 class _Scanner:
     """Collects deadlocks, and application names per pid to name the other sides with."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, sessions: SessionLog | None) -> None:
         self.source = source
+        self.sessions = sessions
         self.file = FileRead(source)
         self.entries = 0
         self.deadlocks: list[Deadlock] = []
@@ -113,6 +125,8 @@ class _Scanner:
 
     def feed(self, entry: Entry) -> None:
         self.entries += 1
+        if self.sessions is not None:
+            self.sessions.feed(entry)
         if entry.app in _UNNAMED:
             entry.app = None
         authorized = _AUTHORIZED.match(entry.message)

@@ -25,7 +25,7 @@ def storms(deadlocks: list[Deadlock]) -> list[Storm]:
     """
     by_sides: dict[tuple[str, ...], list[tuple[dt.datetime, Deadlock]]] = {}
     for deadlock in deadlocks:
-        when = _moment(deadlock.time)
+        when = moment(deadlock.time)
         if when is not None:
             by_sides.setdefault(_sides(deadlock), []).append((when, deadlock))
     found: list[Storm] = []
@@ -51,7 +51,7 @@ def _sides(deadlock: Deadlock) -> tuple[str, ...]:
     return tuple(sorted(f"pid {side.pid}" for side in deadlock.sides))
 
 
-def _moment(time: str | None) -> dt.datetime | None:
+def moment(time: str | None) -> dt.datetime | None:
     """A log time as a naive datetime (one server logs in one zone), or None."""
     match = _TIME.search(time or "")
     if match is None:

@@ -20,6 +20,7 @@ def deadlock_logging(conn: Connection) -> list[Finding]:
         "log_lock_waits",
         "deadlock_timeout",
         "log_connections",
+        "log_disconnections",
         "log_destination",
         "log_line_prefix",
     )
@@ -73,6 +74,16 @@ def deadlock_logging(conn: Connection) -> list[Finding]:
                 "(a lock wait, an error); log_connections = on names every session",
             )
         )
+    findings.append(
+        Finding(OK, "log_disconnections", "on: with log_connections, every session is dated")
+        if settings.get("log_disconnections", ("off", "off"))[0] == "on"
+        else Finding(
+            NOTE,
+            "log_disconnections",
+            "off: jobrun deadlocks --sessions cannot tell a session that ended before a "
+            "deadlock from one still open; log_disconnections = on dates each session's end",
+        )
+    )
     destinations = set(settings.get("log_destination", ("stderr", ""))[0].split(","))
     prefix = settings.get("log_line_prefix", ("", ""))[0]
     if "%a" in prefix:

@@ -6,6 +6,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from jobrun.escape import printable
+from jobrun.overlap import advice
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -53,6 +54,7 @@ def text(report: Report) -> str:
         if report.count(outcome)
     ]
     lines += _cycle_lines(report)
+    lines += advice.lines(report)
     lines += _error_lines(report)
     lines += [f"note: {note}" for note in report.notes()]
     if report.exit_status:

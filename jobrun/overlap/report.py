@@ -12,6 +12,7 @@ from jobrun.overlap.model import JOBS
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from jobrun.overlap.advice import Advice
     from jobrun.overlap.model import Wait
 
 #: Deadlock error lines kept per command and attempt.
@@ -59,6 +60,8 @@ class Attempt:
     statements: dict[str, int] = field(default_factory=lambda: dict.fromkeys(JOBS, 0))
     waits: list[Wait] = field(default_factory=list)
     cycle: tuple[Wait, ...] | None = None
+    #: The cycle read as a lock order, with a suggested fix (from the first look at it).
+    advice: Advice | None = None
     deadlock_lines: dict[str, list[str]] = field(default_factory=lambda: {j: [] for j in JOBS})
     server_timeout_lines: dict[str, list[str]] = field(
         default_factory=lambda: {j: [] for j in JOBS}
@@ -118,6 +121,7 @@ class Attempt:
             "pids": self.pids,
             "statements": self.statements,
             "cycle": [wait.as_json() for wait in self.cycle] if self.cycle else None,
+            "advice": self.advice.as_json() if self.advice else None,
             "waits": [wait.as_json() for wait in self.waits],
             "deadlock_lines": self.deadlock_lines,
             "server_timeout_lines": self.server_timeout_lines,
@@ -193,6 +197,11 @@ class Report:
                 found.setdefault(signature, ([], attempt.cycle))[0].append(attempt.number)
         return sorted(found.values(), key=lambda seen: (-len(seen[0]), seen[0][0]))
 
+    def advice_of(self, number: int) -> dict[str, Any] | None:
+        """The advice (as JSON) of attempt ``number``'s cycle."""
+        attempt = next(a for a in self.attempts if a.number == number)
+        return attempt.advice.as_json() if attempt.advice else None
+
     def notes(self) -> list[str]:
         """Every note once, with the attempts that made it, plus what no attempt ever saw."""
         made: dict[str, list[int]] = {}
@@ -230,7 +239,11 @@ class Report:
             "waits_observed": self.waits_observed,
             "exit_status": self.exit_status,
             "cycles": [
-                {"attempts": numbers, "waits": [wait.as_json() for wait in cycle]}
+                {
+                    "attempts": numbers,
+                    "waits": [wait.as_json() for wait in cycle],
+                    "advice": self.advice_of(numbers[0]),
+                }
                 for numbers, cycle in self.cycles()
             ],
             "attempts": [attempt.as_json() for attempt in self.attempts],

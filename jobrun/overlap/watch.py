@@ -10,6 +10,7 @@ import psycopg
 from psycopg.rows import class_row, dict_row
 
 from jobrun import db, sql
+from jobrun.overlap import advice
 from jobrun.overlap.model import JOBS, Session, SessionRow, find_cycle, waits
 
 if TYPE_CHECKING:
@@ -108,6 +109,9 @@ class Watch:
             self.attempt.statements[job] = len(seen)
         if self.attempt.cycle is None:
             self.attempt.cycle = find_cycle(sessions)
+            if self.attempt.cycle is not None:  # now, while the rows are still held
+                facts = advice.gather(self.conn, self.target, self.attempt.cycle)
+                self.attempt.advice = advice.advise(self.attempt.cycle, facts)
         return sessions
 
     def statements(self, job: str) -> int:

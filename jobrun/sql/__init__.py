@@ -88,6 +88,9 @@ from jobrun.sql.lease import (
     SESSION_HOLDER_OF_ANY,
 )
 from jobrun.sql.overlap import (
+    OVERLAP_FOREIGN_KEYS,
+    OVERLAP_KEY_LOCK_TIMEOUT,
+    OVERLAP_ROW_KEY,
     OVERLAP_SESSIONS,
     OVERLAP_TERMINATE,
     OVERLAP_TIMEOUTS,
@@ -153,6 +156,9 @@ __all__ = [
     "LEASE_RENEW_OR_STOP",
     "LOCK",
     "NO_ROWS",
+    "OVERLAP_FOREIGN_KEYS",
+    "OVERLAP_KEY_LOCK_TIMEOUT",
+    "OVERLAP_ROW_KEY",
     "OVERLAP_SESSIONS",
     "OVERLAP_TERMINATE",
     "OVERLAP_TIMEOUTS",

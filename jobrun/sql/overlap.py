@@ -70,3 +70,40 @@ WHERE application_name = ANY(%(names)s)
   AND datid = (SELECT oid FROM pg_database WHERE datname = current_database())
   AND pid <> pg_backend_pid()
 """
+
+#: The key columns of a table whose rows a wait-for cycle names (schema, table, columns in
+#: index order): its primary key, else its first unique index on plain columns; none when
+#: it has neither (the rows are then shown by position, ctid).
+OVERLAP_ROW_KEY = """
+SELECT n.nspname AS schema, c.relname AS name,
+       coalesce((
+           SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey::int2[], a.attnum))
+           FROM pg_attribute AS a
+           WHERE a.attrelid = c.oid AND a.attnum = ANY(i.indkey::int2[])
+       ), '{}') AS columns
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+LEFT JOIN LATERAL (
+    SELECT ix.indkey FROM pg_index AS ix
+    WHERE ix.indrelid = c.oid AND ix.indisunique AND ix.indexprs IS NULL AND ix.indpred IS NULL
+    ORDER BY ix.indisprimary DESC, ix.indexrelid
+    LIMIT 1
+) AS i ON true
+WHERE c.oid = %(relation)s::regclass
+"""
+
+#: Reading a cycle's row by ctid never waits for a table lock that a job asked for.
+OVERLAP_KEY_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '50ms'"
+
+#: Foreign keys from a table that a cycle's sessions wrote to (a RowExclusiveLock) onto the
+#: tables of the cycle's rows: an insert or key update there took FOR KEY SHARE on the
+#: referenced row, a lock that nobody's statement shows.
+OVERLAP_FOREIGN_KEYS = """
+SELECT DISTINCT l.pid, k.conrelid::regclass::text AS child, k.confrelid::regclass::text AS parent
+FROM pg_constraint AS k
+JOIN pg_locks AS l ON l.relation = k.conrelid AND l.granted AND l.mode = 'RowExclusiveLock'
+WHERE k.contype = 'f'
+  AND l.pid = ANY(%(pids)s)
+  AND k.confrelid = ANY(%(relations)s::regclass[])
+ORDER BY l.pid, child
+"""

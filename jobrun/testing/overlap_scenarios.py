@@ -38,6 +38,7 @@ INSERT INTO {s}.accounts (id) SELECT generate_series(1, 4);
 CREATE TABLE {s}.parents (id int PRIMARY KEY, note text);
 INSERT INTO {s}.parents (id) VALUES (1), (2);
 CREATE TABLE {s}.children (id serial PRIMARY KEY, parent_id int NOT NULL REFERENCES {s}.parents);
+CREATE TABLE {s}.codes (code int PRIMARY KEY);
 """
 
 
@@ -54,6 +55,13 @@ _INSERT_CHILD = "INSERT INTO {s}.children (parent_id) VALUES (1)"
 _TOUCH_PARENT_2 = "UPDATE {s}.parents SET note = 'touched' WHERE id = 2"
 _LOCK_PARENT_1 = "SELECT * FROM {s}.parents WHERE id = 1 FOR UPDATE"
 _CHANGE_PARENT_1 = "UPDATE {s}.parents SET note = 'changed' WHERE id = 1"
+#: A migration's table lock (what ALTER TABLE takes), and a job's read of that table.
+_LOCK_PARENTS = "LOCK TABLE {s}.parents IN ACCESS EXCLUSIVE MODE"
+_READ_PARENTS = "SELECT count(*) FROM {s}.parents"
+
+
+def _insert_code(code: int) -> str:
+    return f"INSERT INTO {{s}}.codes VALUES ({code})"  # noqa: S608
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,18 @@ SCENARIOS = (
         deadlocks=True,
     ),
     Scenario(
+        "unique keys inserted in opposite order",
+        (_insert_code(1), _insert_code(2)),
+        (_insert_code(2), _insert_code(1)),
+        deadlocks=True,
+    ),
+    Scenario(
+        "table lock (a migration) against row locks",
+        (_update(1), _READ_PARENTS),
+        (_LOCK_PARENTS, _update(1)),
+        deadlocks=True,
+    ),
+    Scenario(
         "fixed: same row order", (_update(1), _update(2)), (_update(1), _update(2)), deadlocks=False
     ),
     Scenario(
@@ -155,6 +175,18 @@ SCENARIOS = (
         ("SELECT pg_advisory_lock(1)", "SELECT pg_advisory_lock(2)"),
         deadlocks=False,
         autocommit=True,
+    ),
+    Scenario(
+        "fixed: unique keys in one order",
+        (_insert_code(1), _insert_code(2)),
+        (_insert_code(1), _insert_code(2)),
+        deadlocks=False,
+    ),
+    Scenario(
+        "fixed: the migration takes its table locks first",
+        (_update(1), _READ_PARENTS),
+        ("LOCK TABLE {s}.accounts, {s}.parents IN ACCESS EXCLUSIVE MODE", _update(1)),
+        deadlocks=False,
     ),
     Scenario("nothing shared", (_update(1), _update(2)), (_update(3), _update(4)), deadlocks=False),
 )

@@ -1,0 +1,151 @@
+"""Sessions and statements per run and per skip, pinned: each one is a round trip far away."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import TYPE_CHECKING
+
+import psycopg
+import pytest
+
+from jobrun.testing import jobrun_cli
+from jobrun.testing.delay_proxy import DelayProxy
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.statement_log import LOG_SETTINGS, Calls, StatementLog
+
+if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Iterator
+    from pathlib import Path
+
+# Today's counts, from a private server's log: the sessions a command opens and the
+# statements (messages) they send, history on, on a database where both modes have run
+# (a session run looks for a lease on its key once jobrun.leases exists: one statement more
+# than on a database that never saw lease mode). A host in another region pays a round trip
+# for each statement and two or three for each session (TCP, then the SSL request or TLS,
+# then start-up), so a change that adds one fails here.
+# Lower a pin when an optimisation lands; never raise one without saying why in the commit.
+# benchmarks/bench_latency.py turns these counts into wall time at a given round trip.
+SESSION_RUN = Calls(sessions=1, statements=6)
+SESSION_SKIP = Calls(sessions=1, statements=4)
+LEASE_RUN = Calls(sessions=2, statements=7)
+LEASE_SKIP = Calls(sessions=1, statements=6)
+
+DBNAME = "round_trips"
+
+# A heartbeat (session mode: a check; lease mode: a renewal over a session of its own) is a
+# cost per second of a run, not per run: these keep it out of the count, even on a machine
+# so loaded that running `true` takes longer than the default heartbeat. (Session mode's
+# heartbeat thread may still wake on a history call's answer and check once: StatementLog
+# counts checks apart, and they are not pinned.)
+SESSION_BEATS = ("--heartbeat", "1h")
+LEASE_BEATS = ("--mode", "lease", "--ttl", "1h", "--heartbeat", "10m")
+
+
+@pytest.fixture(scope="module")
+def logged_server() -> Iterator[PgServer]:
+    """A private server that logs every session and statement, with jobrun's schema made."""
+    with PgServer.start(LOG_SETTINGS) as server:
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {DBNAME}")
+        # The first run creates the schema; a warm lease run, the lease table.
+        for mode in ("session", "lease"):
+            warm = jobrun_cli.run("--mode", mode, "--key", "warm-up", "--", "true", dsn=dsn(server))
+            assert warm.returncode == 0, warm.stderr
+        yield server
+
+
+@pytest.fixture
+def log(logged_server: PgServer) -> Iterator[StatementLog]:
+    with StatementLog(logged_server, DBNAME) as opened:
+        yield opened
+
+
+def dsn(server: PgServer) -> str:
+    return server.dsn(DBNAME)
+
+
+def counted(log: StatementLog, server: PgServer, *args: str, status: int) -> Calls:
+    """Sessions and statements of ``jobrun ARGS`` (run to the end, with this exit status)."""
+    log.mark()
+    done = jobrun_cli.run(*args, dsn=dsn(server))
+    assert done.returncode == status, done.stderr
+    return log.calls()
+
+
+def held(server: PgServer, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    """A jobrun holding the key (``args``) until it is sent SIGTERM; started when this returns."""
+    marker = tmp_path / "holder.pid"
+    holder = jobrun_cli.start(*args, "--", *jobrun_cli.holder_marker(marker), dsn=dsn(server))
+    jobrun_cli.wait_for_file(marker, proc=holder)
+    return holder
+
+
+class TestSessionMode:
+    """A session-mode run and skip send today's count of statements over one session."""
+
+    def test_run(self, logged_server, log, key):
+        """A run of true: one session, SESSION_RUN's statements."""
+        calls = counted(log, logged_server, *SESSION_BEATS, "--key", key, "--", "true", status=0)
+        assert calls == SESSION_RUN, calls.explain()
+
+    def test_skip(self, logged_server, log, key, tmp_path):
+        """A skip behind a running holder: one session, SESSION_SKIP's statements."""
+        holder = held(logged_server, tmp_path, *SESSION_BEATS, "--key", key)
+        try:
+            calls = counted(log, logged_server, "--key", key, "--", "true", status=75)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert calls == SESSION_SKIP, calls.explain()
+
+
+class TestLeaseMode:
+    """A lease-mode run and skip send today's count of statements and sessions."""
+
+    def test_run(self, logged_server, log, key):
+        """A run of true: LEASE_RUN's sessions and statements (no renewal falls in it)."""
+        calls = counted(log, logged_server, *LEASE_BEATS, "--key", key, "--", "true", status=0)
+        assert calls == LEASE_RUN, calls.explain()
+
+    def test_skip(self, logged_server, log, key, tmp_path):
+        """A skip behind a running lease holder: LEASE_SKIP's sessions and statements."""
+        holder = held(logged_server, tmp_path, *LEASE_BEATS, "--key", key)
+        try:
+            calls = counted(log, logged_server, *LEASE_BEATS, "--key", key, "--", "true", status=75)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert calls == LEASE_SKIP, calls.explain()
+
+
+#: The proxy's round trip in these tests: long enough to tell from no delay at all.
+PROXY_RTT = 0.1
+
+
+@pytest.fixture
+def delayed(pg_address) -> Iterator[DelayProxy]:
+    with DelayProxy(*pg_address, rtt=PROXY_RTT).start() as proxy:
+        yield proxy
+
+
+class TestDelayProxy:
+    """The proxy bench_latency measures with delays and counts as a distant network would."""
+
+    def test_counts_handshake_startup_and_each_query(self, delayed, dsn):
+        """Connect (no SSL request), two queries, close: four round trips, one connection."""
+        proxied = delayed.dsn_for(dsn) + " sslmode=disable gssencmode=disable"
+        with psycopg.connect(proxied, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+            conn.execute("SELECT 2")
+        assert (delayed.accepted, delayed.round_trips) == (1, 4)
+
+    def test_each_round_trip_takes_the_configured_time(self, delayed, dsn):
+        """Connecting takes two round trips (TCP, then start-up), a query one more."""
+        proxied = delayed.dsn_for(dsn) + " sslmode=disable gssencmode=disable"
+        began = time.monotonic()
+        with psycopg.connect(proxied, autocommit=True) as conn:
+            connected = time.monotonic()
+            conn.execute("SELECT 1")
+            queried = time.monotonic()
+        assert connected - began >= 2 * PROXY_RTT
+        assert queried - connected >= PROXY_RTT
