@@ -27,13 +27,12 @@ from pathlib import Path
 import psycopg
 import structlog
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from jobrun import db, keys
+from jobrun.locks import Identity
+from jobrun.locks.lease import LeaseLock
+from jobrun.testing.proxy import TcpProxy
 
-from jobrun import db, keys  # noqa: E402
-from jobrun.locks import Identity  # noqa: E402
-from jobrun.locks.lease import LeaseLock  # noqa: E402
-from support.proxy import TcpProxy  # noqa: E402 - after the path set-up
+ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import signal, sys, time

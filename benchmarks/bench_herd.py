@@ -27,9 +27,7 @@ from pathlib import Path
 
 import psycopg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from support.pgserver import PgServer
+from jobrun.testing.pgserver import PgServer
 
 ROLE = "herd"
 JOBRUN = (sys.executable, "-m", "jobrun")

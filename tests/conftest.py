@@ -12,18 +12,12 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from jobrun.testing.pgbouncer import PgBouncer, require_pgbouncer
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import create_database, drop_database, server_address, server_version
+from jobrun.testing.proxy import TcpProxy
+from jobrun.throwaway import NoPostgresError, find_pg_bin
 from support import EXAMPLES_PROPERTY
-from support.pgbouncer import PgBouncer, require_pgbouncer
-from support.pgserver import (
-    PgBinNotFoundError,
-    PgServer,
-    create_database,
-    drop_database,
-    find_pg_bin,
-    server_address,
-    server_version,
-)
-from support.proxy import TcpProxy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -60,7 +54,7 @@ def pytest_report_header() -> list[str]:
     try:
         bin_dir = find_pg_bin()
         detail = f"{server_version(bin_dir)}, {bin_dir}"
-    except (PgBinNotFoundError, OSError, subprocess.SubprocessError) as exc:
+    except (NoPostgresError, OSError, subprocess.SubprocessError) as exc:
         detail = f"unavailable: {exc}"
     return [f"jobrun test server: private throwaway server, started once per session ({detail})"]
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jobrun import __version__
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 BAD_INVOCATIONS = {
     "empty key": ["--key", "", "--", "true"],

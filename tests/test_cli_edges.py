@@ -15,7 +15,7 @@ from jobrun import __version__, fence
 from jobrun.cli import cli
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import TABLE
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
 
@@ -246,6 +246,12 @@ class TestSubcommandsLoadWhenUsed:
         imported = self._imported("--key", key, "--", "true", dsn=dsn)
         assert "jobrun.runner" in imported  # the report did see the run's own modules
         assert not imported & {*self.SUBCOMMAND_MODULES, *self.OPTIONAL_RUN_MODULES}
+
+    def test_a_run_never_imports_the_test_harness(self, dsn, key):
+        """jobrun.testing ships with the package for tests and benchmarks; a run leaves it be."""
+        imported = self._imported("--key", key, "--wait", "1s", "--", "true", dsn=dsn)
+        assert "jobrun.db" in imported
+        assert not {m for m in imported if m.split(".")[:2] == ["jobrun", "testing"]}
 
     def test_each_option_imports_its_module(self, dsn, key, tmp_path):
         """The optional modules are the ones those options use (the list above is not stale)."""

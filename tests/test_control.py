@@ -10,9 +10,9 @@ import pytest
 from jobrun.keys import lock_id_for
 from jobrun.locks.stops import STOP_TABLE_PROBE
 from jobrun.slots import slot_lock_id
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
 from support.history import ensure_runs_table, rows_of
-from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 MODES = ("session", "lease")
 #: The lock id of slot 0 of nightly-export (docs/control.md shows it too).

@@ -17,19 +17,20 @@ from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun import db, keys
+from jobrun.db import connecting
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
-from support import jobrun_cli
-from support.jobrun_cli import event
-from support.pgserver import server_major
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event
+from jobrun.testing.pgtools import server_major
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
     from subprocess import CompletedProcess
 
-    from support.pgserver import PgServer
+    from jobrun.testing.pgserver import PgServer
 
 #: libpq's connect_timeout is whole seconds and at least 2: what jobrun must do better than.
 LIBPQ_MINIMUM_TIMEOUT = 2.0
@@ -441,7 +442,7 @@ class TestClientKeepalives:
         _, target, sock = lock_socket
         # jobrun names these values nowhere else: the libpq parameters it connects with are
         # the one source, and what matters here is that they reach the lock session's socket.
-        asked = db._connection_kwargs(target, {}, "jobrun:test", target.connect_timeout)  # noqa: SLF001
+        asked = connecting._connection_kwargs(target, {}, "jobrun:test", target.connect_timeout)  # noqa: SLF001
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == asked["keepalives"]
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == asked["keepalives_idle"]
         assert (

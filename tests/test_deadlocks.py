@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobrun import deadlocks
-from support import jobrun_cli
-from support.pgserver import PgServer
+from jobrun.testing import jobrun_cli
+from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

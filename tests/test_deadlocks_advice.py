@@ -12,10 +12,10 @@ import pytest
 
 from jobrun import deadlocks
 from jobrun.deadlocks.advice import suggest
-from support import overlap_scenarios
-from support.jobrun_cli import JOBRUN
-from support.overlap_scenarios import Scenario
-from support.pgserver import PgServer
+from jobrun.testing import overlap_scenarios
+from jobrun.testing.jobrun_cli import JOBRUN
+from jobrun.testing.overlap_scenarios import Scenario
+from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

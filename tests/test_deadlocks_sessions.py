@@ -22,8 +22,8 @@ from jobrun import deadlocks
 from jobrun.deadlocks.model import Entry
 from jobrun.deadlocks.sessions import SessionLog
 from jobrun.deadlocks.storms import moment
-from support import jobrun_cli
-from support.pgserver import PgServer
+from jobrun.testing import jobrun_cli
+from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobrun import deadlocks
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from pathlib import Path

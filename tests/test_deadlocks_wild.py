@@ -26,7 +26,7 @@ from test_deadlocks import (  # the same private logging server and deadlock, on
 )
 
 from jobrun import deadlocks
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -19,7 +19,7 @@ from jobrun.exitcodes import TABLE
 from jobrun.locks import Holder
 from jobrun.status import status_table
 from jobrun.status.collect import KeyStatus
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from _pytest.mark.structures import ParameterSet

@@ -17,7 +17,7 @@ from jobrun.cli.ops import doctor_command
 from jobrun.doctor.capacity import LOCK_TABLE_FAIL, LOCK_TABLE_WARN
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import ensure_schema
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun import background, db, drill, keys
 from jobrun.exitcodes import LockStoreUnavailable
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from pathlib import Path

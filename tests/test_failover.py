@@ -13,9 +13,9 @@ import pytest
 from jobrun import keys
 from jobrun.locks.lease import timing
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from support import jobrun_cli
-from support.failover import FailoverPair, window_child
-from support.jobrun_cli import event, wait_for_file, wait_until
+from jobrun.testing import jobrun_cli
+from jobrun.testing.failover import FailoverPair, window_child
+from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 
 if TYPE_CHECKING:
     import subprocess

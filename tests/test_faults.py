@@ -18,9 +18,9 @@ import structlog
 from jobrun import db, keys
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 from support.history import rows_of
-from support.jobrun_cli import event, wait_for_file, wait_until
 
 if TYPE_CHECKING:
     import subprocess

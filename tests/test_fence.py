@@ -17,7 +17,7 @@ from psycopg import errors
 from psycopg.conninfo import make_conninfo
 
 from jobrun import db, fence, log
-from support import jobrun_cli as cli
+from jobrun.testing import jobrun_cli as cli
 from support.sessions import SessionCounter
 
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()

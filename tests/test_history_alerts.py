@@ -16,9 +16,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobrun import alerts
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import HistoryConfig, iso
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import wait_until
 from support.history import Run, holder, hook, hook_calls, rows_of
-from support.jobrun_cli import wait_until
 
 
 def age_alerts(dsn: str, label: str, *, hours: int) -> None:

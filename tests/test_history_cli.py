@@ -6,9 +6,9 @@ import json
 import shlex
 import signal
 
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
 from support.history import hook, hook_calls, rows_of, table_exists
-from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 
 class TestWiredThroughCli:

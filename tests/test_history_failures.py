@@ -10,9 +10,9 @@ import pytest
 from psycopg import sql as pgsql
 
 from jobrun.history.config import HistoryConfig
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
 from support.history import ensure_runs_table, holder, rows_of
-from support.jobrun_cli import event, events, wait_for_file, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Callable

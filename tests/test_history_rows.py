@@ -13,8 +13,8 @@ import pytest
 from jobrun import keys
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import HistoryConfig
+from jobrun.testing.jobrun_cli import wait_until
 from support.history import Run, holder, row_of, rows_of
-from support.jobrun_cli import wait_until
 
 
 class TestSchema:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file
 from support.history import ensure_runs_table, rows_of
-from support.jobrun_cli import event, events, wait_for_file
 from support.sessions import SessionCounter
 
 

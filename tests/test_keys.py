@@ -12,7 +12,7 @@ import pytest
 from jobrun import keys
 from jobrun.exitcodes import UsageError
 from jobrun.locks import new_run_id
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 #: Pinned: changing any of these lets two jobrun versions run one job at once.
 VECTORS = [

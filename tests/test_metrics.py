@@ -16,7 +16,7 @@ from jobrun.history.config import HistoryConfig
 from jobrun.history.notify import NoHistory, Notifier
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

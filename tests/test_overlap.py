@@ -23,7 +23,7 @@ from jobrun import db, overlap
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
 from jobrun.overlap.model import SessionRow
-from support import jobrun_cli, overlap_scenarios
+from jobrun.testing import jobrun_cli, overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import UsageError
 from jobrun.supervise import ExecFailed
-from support import overlap_scenarios
+from jobrun.testing import overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

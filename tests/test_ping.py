@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from jobrun import log, ping
 from jobrun.exitcodes import UsageError
-from support import jobrun_cli as cli
+from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

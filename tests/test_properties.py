@@ -32,7 +32,8 @@ from jobrun.cli import main
 from jobrun.exitcodes import Exit
 from jobrun.locks import Holder
 from jobrun.status import kept
-from support import EXAMPLES_PROPERTY, jobrun_cli
+from jobrun.testing import jobrun_cli
+from support import EXAMPLES_PROPERTY
 
 SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show
 #: Nothing listens on port 1: connecting fails at once, so no example needs a server.

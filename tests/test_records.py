@@ -10,9 +10,9 @@ import psycopg
 import pytest
 
 from jobrun.keys import lock_id_for
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import wait_for_file
 from support.history import rows_of
-from support.jobrun_cli import wait_for_file
 
 MODES = ("session", "lease")
 

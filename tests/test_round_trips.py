@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from support import jobrun_cli
-from support.delay_proxy import DelayProxy
-from support.pgserver import PgServer
-from support.statement_log import LOG_SETTINGS, Calls, StatementLog
+from jobrun.testing import jobrun_cli
+from jobrun.testing.delay_proxy import DelayProxy
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.statement_log import LOG_SETTINGS, Calls, StatementLog
 
 if TYPE_CHECKING:
     import subprocess

@@ -18,8 +18,8 @@ import psycopg
 import pytest
 
 from jobrun import keys
-from support import jobrun_cli
-from support.jobrun_cli import event, events, wait_for_file, wait_until
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
 
 COMMON_FIELDS = {
     "timestamp",

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobrun import db, log, masking, tail
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -21,10 +21,12 @@ from jobrun.history.config import HistoryConfig
 from jobrun.keys import lock_id_for
 from jobrun.locks.lease import LeaseTiming
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import RunAs, make_private_dir
+from jobrun.throwaway import find_pg_bin
 from support.history import ensure_runs_table
-from support.jobrun_cli import event, events, wait_for_file, wait_until
-from support.pgserver import PgServer, RunAs, find_pg_bin, make_private_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -12,8 +12,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from jobrun import sql as jobrun_sql
-from support import jobrun_cli
-from support.pgserver import create_database, drop_database
+from jobrun.testing import jobrun_cli
+from jobrun.testing.pgtools import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -7,7 +7,7 @@ import json
 import psycopg
 import pytest
 
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 from support.history import ensure_runs_table
 
 

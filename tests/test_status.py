@@ -26,8 +26,8 @@ from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
 from jobrun.history.config import HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
-from support import jobrun_cli
-from support.jobrun_cli import wait_for_file
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import wait_for_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

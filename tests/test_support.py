@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from support import pgbouncer as pgbouncer_module
-from support.failover import FailoverPair
-from support.managed import Managed
-from support.pgbouncer import PgBouncer
-from support.pgserver import TEMP_ROOT_ENV, PgServer, PgServerError, find_pg_bin
-from support.proxy import TcpProxy
+from jobrun.testing import pgbouncer as pgbouncer_module
+from jobrun.testing.failover import FailoverPair
+from jobrun.testing.managed import Managed
+from jobrun.testing.pgbouncer import PgBouncer
+from jobrun.testing.pgserver import PgServer
+from jobrun.testing.pgtools import TEMP_ROOT_ENV, PgServerError
+from jobrun.testing.proxy import TcpProxy
+from jobrun.throwaway import PGBIN_ENV, NoPostgresError, find_pg_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -46,6 +48,25 @@ def test_find_pg_bin_has_server_binaries() -> None:
     bin_dir = find_pg_bin()
     assert (bin_dir / "initdb").is_file()
     assert (bin_dir / "postgres").is_file()
+
+
+class TestFindPgBin:
+    """The demo's and the test servers' one search for binaries: $JOBRUN_TEST_PGBIN first."""
+
+    def test_the_named_directory_wins(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        for name in ("initdb", "postgres"):
+            (tmp_path / name).touch()
+        monkeypatch.setenv(PGBIN_ENV, str(tmp_path))
+        assert find_pg_bin() == tmp_path
+
+    def test_a_named_directory_without_binaries_is_refused(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv(PGBIN_ENV, str(tmp_path))
+        with pytest.raises(NoPostgresError, match=f"\\${PGBIN_ENV}=.* holds no initdb"):
+            find_pg_bin()
 
 
 def test_dsn_is_a_database_of_this_session(dsn: str) -> None:
@@ -246,7 +267,7 @@ def test_proxy_refuse_rejects_new_connections_only(
 
 
 def test_proxy_stop_is_idempotent(pg_address: tuple[str, int]) -> None:
-    from support.proxy import TcpProxy  # noqa: PLC0415 - the fixture's class, used bare here
+    from jobrun.testing.proxy import TcpProxy  # noqa: PLC0415 - the fixture's class, used bare here
 
     through = TcpProxy(*pg_address).start()
     through.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from jobrun import keys
 from jobrun.escape import printable, printable_lines
-from support import jobrun_cli as cli
+from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

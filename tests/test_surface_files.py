@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from jobrun import log, metrics
-from support import jobrun_cli as cli
+from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from pathlib import Path

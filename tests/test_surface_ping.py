@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from jobrun import ping
-from support import jobrun_cli as cli
+from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -19,8 +19,8 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun import tail
 from jobrun.exitcodes import UsageError
-from support import jobrun_cli as cli
-from support.pgserver import create_database, drop_database
+from jobrun.testing import jobrun_cli as cli
+from jobrun.testing.pgtools import create_database, drop_database
 
 if TYPE_CHECKING:
     from pathlib import Path

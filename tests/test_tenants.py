@@ -13,8 +13,8 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from jobrun.keys import lock_id_for
-from support import jobrun_cli
-from support.jobrun_cli import event, wait_for_file, wait_until
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 
 if TYPE_CHECKING:
     import datetime as dt

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from jobrun import db, waiting
-from support import jobrun_cli
-from support.jobrun_cli import wait_for_file
+from jobrun.testing import jobrun_cli
+from jobrun.testing.jobrun_cli import wait_for_file
 
 if TYPE_CHECKING:
     import subprocess

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from jobrun import keys
-from support import jobrun_cli
+from jobrun.testing import jobrun_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tools" / "build_zipapp.py"

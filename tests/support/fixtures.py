@@ -10,7 +10,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from support.pgserver import create_database, drop_database
+from jobrun.testing.pgtools import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

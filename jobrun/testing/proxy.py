@@ -9,11 +9,12 @@ import selectors
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING
-
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from .managed import Managed
+from .pgtools import dsn_through
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -117,15 +118,11 @@ class TcpProxy(Managed):
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` with host and port pointing at this proxy."""
-        params = conninfo_to_dict(server_dsn)
-        params.pop("hostaddr", None)  # it would override host
-        params["host"] = self.host
-        params["port"] = str(self.port)
-        return make_conninfo("", **params)
+        return dsn_through(server_dsn, self.host, self.port)
 
     def drop_all(self) -> int:
         """Reset all current connections (clients see "connection reset"); return how many."""
-        return int(self._call(self._drop_all) or 0)
+        return self._call(self._drop_all)
 
     def blackhole(self) -> None:
         """Stop forwarding and accepting; keep every socket open."""
@@ -142,7 +139,7 @@ class TcpProxy(Managed):
     @property
     def connections(self) -> int:
         """How many proxied connections are open right now."""
-        return int(self._call(lambda: len(self._links)) or 0)
+        return self._call(lambda: len(self._links))
 
     def stop(self) -> None:
         """Reset all connections, stop listening and end the thread. Safe to call twice."""
@@ -166,7 +163,7 @@ class TcpProxy(Managed):
         target = f"{self.target_host}:{self.target_port}"
         return f"<TcpProxy {self.host}:{self.port} -> {target}>"
 
-    def _call(self, func: Callable[..., object], *args: object) -> object:
+    def _call(self, func: Callable[..., T], *args: object) -> T:
         """Run ``func`` on the proxy thread and return its result (or raise its error)."""
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("the proxy is not running")
@@ -180,7 +177,7 @@ class TcpProxy(Managed):
             raise TimeoutError("the proxy thread did not answer")
         if reply.error is not None:
             raise reply.error
-        return reply.value
+        return cast("T", reply.value)
 
     # --- the proxy thread ---------------------------------------------------------------------
 

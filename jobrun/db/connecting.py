@@ -1,4 +1,4 @@
-"""Connecting to PostgreSQL the libpq way, and translating psycopg errors at this boundary."""
+"""Connecting: the deadline, busy-server backoff, failure reasons and the session's settings."""
 
 from __future__ import annotations
 
@@ -7,25 +7,23 @@ import math
 import os
 import random
 import re
-import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
 import psycopg
-from psycopg import conninfo
 from psycopg.adapt import AdaptersMap, Dumper
 
-from jobrun import sql
+from jobrun import sql, threads
 from jobrun.exitcodes import TLS, LockStoreUnavailable, UsageError
 from jobrun.log import safe_text
-from jobrun.masking import forms, mask_text
+
+from .dsn import describe, parse_dsn
+from .errors import one_line, unavailable
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from .dsn import Target
 
 Connection = psycopg.Connection[tuple[object, ...]]
 
@@ -55,17 +53,8 @@ SLOW_CONNECT = 2.0
 UNREACHABLE = "unreachable"
 REFUSED = "refused"
 
-_URI_PREFIXES = ("postgresql://", "postgres://")
-#: Any URI's scheme (``postgresql+psycopg``, ``jdbc:postgresql``): safe to name in an error.
-_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*(?::[A-Za-z][A-Za-z0-9+.-]*)*(?=://)"
-#: libpq's hosts of a URI: ``host[:port]`` (IPv6 in brackets), comma-separated.
-_URI_HOSTS = r"(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?(?:,(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?)*"
 # The patterns below are used on error paths only: plain strings, compiled (and cached by
 # ``re``) the first time they are needed, not at every start of a run.
-#: The position PostgreSQL adds under a statement's error ("LINE 4: FROM jobrun.runs", then a
-#: line with a caret): jobrun's own SQL, which tells a user nothing.
-_ERROR_POSITION = r"\nLINE \d+: [^\n]*\n[ \t]*\^[^\n]*"
-_QUOTED = r'"[^"]*"'
 
 # libpq (or psycopg) rejected a value in the connection string itself: a usage error.
 _BAD_OPTION = (
@@ -111,15 +100,6 @@ _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 1.0
 
 
-def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """Mask passwords in ``text``: URI userinfo, ``password=`` pairs, and known secrets.
-
-    Known secrets are masked where they stand as a value (quoted, after ``=`` or ``:``,
-    before ``@``), never inside other words: a one-letter password must not garble text.
-    """
-    return mask_text(text, secrets)
-
-
 def application_name(label: str) -> str:
     """``jobrun:<label>`` trimmed to 63 bytes without splitting a UTF-8 character."""
     encoded = safe_text(f"jobrun:{label}").encode()[:APPLICATION_NAME_BYTES]
@@ -133,144 +113,6 @@ def text_param(value: str) -> str:
     it is here for text built into SQL by other means.
     """
     return safe_text(value)
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where and how to connect: a DSN (or libpq defaults) plus jobrun's session settings."""
-
-    dsn: str = ""
-    connect_timeout: float = 10.0
-    #: Seconds of unacknowledged sends after which the kernel drops the connection.
-    tcp_user_timeout: float = 10.0
-    #: What this process learned about the server path (a pooler refusing ``options``).
-    _learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
-    #: Called once per attempt that has had no answer for SLOW_CONNECT seconds (a server
-    #: that accepts and never answers would otherwise mean --connect-timeout of silence).
-    on_slow_connect: Callable[[], None] | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def secrets(self) -> tuple[str, ...]:
-        """The DSN's password (and PGPASSWORD), in every form an error may quote: never shown."""
-        passwords = [str(parse_dsn(self.dsn).get("password") or ""), *_uri_passwords(self.dsn)]
-        passwords.append(os.environ.get("PGPASSWORD", ""))
-        # Also URL-encoded: a job that builds its own URI from them prints them that way.
-        return tuple(dict.fromkeys(form for secret in passwords for form in forms(secret)))
-
-    @property
-    def has_password(self) -> bool:
-        """Whether the DSN itself carries a password (visible in ``ps`` when given as a flag)."""
-        return bool(parse_dsn(self.dsn).get("password")) or bool(_uri_passwords(self.dsn))
-
-
-def _uri_passwords(dsn: str) -> list[str]:
-    """The password of a URI as typed (and each piece of it around a raw ``@``).
-
-    Any scheme: a driver-qualified ``postgresql+psycopg://`` is refused, but its password
-    must not show in the meantime. The userinfo ends where libpq ends it, at the last
-    ``@`` before the first ``/``.
-    """
-    if re.match(_SCHEME, dsn) is None:
-        return []
-    authority = dsn.split("://", 1)[1].split("/", 1)[0]
-    userinfo, at, _ = authority.rpartition("@")
-    if not at or ":" not in userinfo:
-        return []
-    raw = userinfo.split(":", 1)[1]
-    pieces = [raw, unquote(raw), *raw.split("@")]
-    return [piece for piece in dict.fromkeys(pieces) if piece]
-
-
-def parse_dsn(dsn: str) -> dict[str, Any]:
-    """The DSN's parameters, or UsageError (with passwords masked) when it does not parse."""
-    if safe_text(dsn) != dsn:
-        raise UsageError(
-            "--dsn/JOBRUN_DSN contains bytes that are not UTF-8 (check the locale or the file "
-            "it came from)"
-        )
-    _check_uri(dsn)
-    try:
-        params = conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        # WARNING: libpq quotes the part it could not parse, and that may be the password.
-        detail = redact(" ".join(str(exc).split()), tuple(_uri_passwords(dsn)))
-        detail = re.sub(_QUOTED, lambda m: _quoted_fragment(m.group(0), dsn), detail)
-        raise UsageError(f"--dsn/JOBRUN_DSN is not a valid connection string: {detail}") from None
-    if dsn.startswith(_URI_PREFIXES) and "@" in str(params.get("host") or ""):
-        raise UsageError(
-            "--dsn/JOBRUN_DSN: the URI has more than one '@' before the host; an '@' inside "
-            "the user name or password must be written %40"
-        )
-    return params
-
-
-def _check_uri(dsn: str) -> None:
-    """UsageError for a URI libpq would misread or not take; the message shows no part of it.
-
-    Driver-qualified URIs (SQLAlchemy's ``postgresql+psycopg://``, JDBC's
-    ``jdbc:postgresql://``) are refused rather than rewritten: their query parameters are
-    the driver's, not libpq's, and a guess could connect somewhere else than meant.
-    """
-    scheme = re.match(_SCHEME, dsn)
-    if scheme is None:
-        return
-    if not dsn.startswith(_URI_PREFIXES):
-        name = scheme.group(0)
-        if "postgres" not in name.lower():
-            raise UsageError(
-                f"--dsn/JOBRUN_DSN: a {name}:// URI is not a PostgreSQL connection string "
-                "(postgresql://... or host=... dbname=...)"
-            )
-        raise UsageError(
-            f"--dsn/JOBRUN_DSN: {name}:// is a driver's URL, not libpq's: write it "
-            "postgresql://... (as psql takes it), without the driver's query parameters"
-        )
-    rest = dsn.split("://", 1)[1]
-    hosts, slash, path = rest.partition("/")
-    if "@" in hosts or not slash:
-        return
-    database = path.split("?", 1)[0]
-    if "@" in database or ("@" in path and re.fullmatch(_URI_HOSTS, hosts) is None):
-        # libpq ends the user name and password at the first "/": it would take the
-        # password for a port and the rest for the database name, and show them.
-        raise UsageError(
-            "--dsn/JOBRUN_DSN: the URI has an '@' after a '/': a '/' inside the user name "
-            "or password must be written %2F (and an '@' in a database name %40)"
-        )
-
-
-def _quoted_fragment(quoted: str, dsn: str) -> str:
-    """A fragment libpq quoted from the DSN: kept unless it could hold the password."""
-    fragment = quoted[1:-1]
-    risky = "password" in dsn.lower() or bool(_uri_passwords(dsn))
-    if risky and fragment and fragment not in ("=", "'") and not _is_keyword(fragment):
-        return '"***"'
-    return quoted
-
-
-def _is_keyword(word: str) -> bool:
-    return bool(re.fullmatch(r"[a-z_]+", word)) and word != "password"
-
-
-def describe(target: Target) -> str:
-    """``host:port/dbname`` as far as the DSN says: safe to log (no user, no password)."""
-    params = parse_dsn(target.dsn)
-    env = os.environ
-    service = params.get("service") or env.get("PGSERVICE")
-    if service and not (params.get("host") or params.get("hostaddr")):
-        # The address is in a service file: say which service, rather than guess a socket.
-        return redact(safe_text(f"service {service}"), target.secrets)
-    # As libpq resolves them: the DSN, then the PG* variables, then its built-in defaults.
-    host = params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "local socket"
-    port = params.get("port") or env.get("PGPORT") or "5432"
-    dbname = (
-        params.get("dbname")
-        or env.get("PGDATABASE")
-        or params.get("user")
-        or env.get("PGUSER")
-        or "(default database)"
-    )
-    return redact(safe_text(f"{host}:{port}/{dbname}"), target.secrets)
 
 
 class _TextDumper(Dumper):
@@ -437,15 +279,7 @@ def _connect_once(
     if remaining <= 0:
         raise _ConnectTimeoutError
     attempt = _Attempt(_connection_kwargs(target, params, app_name, remaining), target.dsn)
-    thread = threading.Thread(target=attempt.run, name="jobrun-connect", daemon=True)
-    # WARNING: a signal delivered to a thread runs the main thread's Python handler at once,
-    # even while the main thread blocks that signal (a guarded child runs): the thread
-    # inherits a mask that blocks every signal, so they all stay with the main thread.
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    threads.start(attempt.run, name="jobrun-connect")
     try:
         finished = attempt.done.wait(min(remaining, SLOW_CONNECT))
         if not finished and target.on_slow_connect is not None:
@@ -498,67 +332,3 @@ def cut(conn: Connection | None) -> None:
     # shutdown(2) acts on the socket, not the descriptor, so a duplicate will do.
     with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
         sock.shutdown(socket.SHUT_RDWR)
-
-
-def one_line(exc: BaseException, target: Target | None = None) -> str:
-    """An exception as one line with passwords masked (and without the SQL's position)."""
-    text = re.sub(_ERROR_POSITION, "", str(exc))
-    text = " ".join(safe_text(text).split()) or type(exc).__name__
-    return redact(text, target.secrets if target else ())
-
-
-def unavailable(exc: BaseException, target: Target, doing: str = "") -> LockStoreUnavailable:
-    """The LockStoreUnavailable for a psycopg error raised while ``doing`` something.
-
-    The one place a database error becomes jobrun's: the message is one line with the
-    secrets masked; a rollback that could not be sent (the session died mid-transaction)
-    is a database error like any other.
-    """
-    if isinstance(exc, psycopg.Rollback):
-        text = "the session broke before its transaction could be rolled back"
-    else:
-        text = one_line(exc, target)
-    return LockStoreUnavailable(f"{doing}: {text}" if doing else text, reason="error")
-
-
-@contextlib.contextmanager
-def translate_errors(target: Target, doing: str) -> Iterator[None]:
-    """Turn psycopg errors raised while ``doing`` something into LockStoreUnavailable.
-
-    WARNING: ``psycopg.Rollback`` is not a ``psycopg.Error``; it escapes a transaction
-    block when the ROLLBACK itself fails on a dead connection, and is caught here too.
-    """
-    try:
-        yield
-    except (psycopg.Error, psycopg.Rollback) as exc:
-        raise unavailable(exc, target, doing) from None
-
-
-def detect_transaction_pooler(
-    conn: Connection, target: Target, *, app_name: str, backend: int | None = None
-) -> str | None:
-    """Return why we believe a transaction/statement pooler sits between us and Postgres.
-
-    A direct connection (or a plain TCP proxy) reports the same backend pid in the protocol
-    handshake as ``pg_backend_pid()`` does; poolers such as PgBouncer invent their own. Only
-    then do we spend a second connection: if it lands on the same server backend as ours
-    while we sit idle, two clients share one backend - transaction pooling, where a session
-    lock would be stranded on a backend we no longer talk to. ``backend`` is
-    ``pg_backend_pid()`` if the caller has asked already.
-    """
-    first = backend_pid(conn) if backend is None else backend
-    if conn.info.backend_pid == first:
-        return None
-    with connect(target, app_name=app_name) as probe:
-        if backend_pid(probe) == first:
-            return "a second connection was served by our backend (transaction pooling)"
-    if backend_pid(conn) != first:
-        return "our statements ran on different backends (transaction pooling)"
-    return None
-
-
-def backend_pid(conn: Connection) -> int:
-    """The server backend that ran this statement."""
-    row = conn.execute(sql.BACKEND_PID).fetchone()
-    assert row is not None  # noqa: S101 - a SELECT of one value always returns a row
-    return int(str(row[0]))

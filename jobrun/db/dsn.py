@@ -1,0 +1,174 @@
+"""Connection strings: parse and check a DSN, mask its passwords, name its target safely."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
+
+import psycopg
+from psycopg import conninfo
+
+from jobrun.exitcodes import UsageError
+from jobrun.log import safe_text
+from jobrun.masking import forms, mask_text
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+_URI_PREFIXES = ("postgresql://", "postgres://")
+#: Any URI's scheme (``postgresql+psycopg``, ``jdbc:postgresql``): safe to name in an error.
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*(?::[A-Za-z][A-Za-z0-9+.-]*)*(?=://)"
+#: libpq's hosts of a URI: ``host[:port]`` (IPv6 in brackets), comma-separated.
+_URI_HOSTS = r"(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?(?:,(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?)*"
+# Used on error paths only: a plain string, compiled (and cached by ``re``) when needed.
+_QUOTED = r'"[^"]*"'
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """Mask passwords in ``text``: URI userinfo, ``password=`` pairs, and known secrets.
+
+    Known secrets are masked where they stand as a value (quoted, after ``=`` or ``:``,
+    before ``@``), never inside other words: a one-letter password must not garble text.
+    """
+    return mask_text(text, secrets)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to connect: a DSN (or libpq defaults) plus jobrun's session settings."""
+
+    dsn: str = ""
+    connect_timeout: float = 10.0
+    #: Seconds of unacknowledged sends after which the kernel drops the connection.
+    tcp_user_timeout: float = 10.0
+    #: What this process learned about the server path (a pooler refusing ``options``).
+    _learned: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    #: Called once per attempt that has had no answer for SLOW_CONNECT seconds (a server
+    #: that accepts and never answers would otherwise mean --connect-timeout of silence).
+    on_slow_connect: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The DSN's password (and PGPASSWORD), in every form an error may quote: never shown."""
+        passwords = [str(parse_dsn(self.dsn).get("password") or ""), *_uri_passwords(self.dsn)]
+        passwords.append(os.environ.get("PGPASSWORD", ""))
+        # Also URL-encoded: a job that builds its own URI from them prints them that way.
+        return tuple(dict.fromkeys(form for secret in passwords for form in forms(secret)))
+
+    @property
+    def has_password(self) -> bool:
+        """Whether the DSN itself carries a password (visible in ``ps`` when given as a flag)."""
+        return bool(parse_dsn(self.dsn).get("password")) or bool(_uri_passwords(self.dsn))
+
+
+def _uri_passwords(dsn: str) -> list[str]:
+    """The password of a URI as typed (and each piece of it around a raw ``@``).
+
+    Any scheme: a driver-qualified ``postgresql+psycopg://`` is refused, but its password
+    must not show in the meantime. The userinfo ends where libpq ends it, at the last
+    ``@`` before the first ``/``.
+    """
+    if re.match(_SCHEME, dsn) is None:
+        return []
+    authority = dsn.split("://", 1)[1].split("/", 1)[0]
+    userinfo, at, _ = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return []
+    raw = userinfo.split(":", 1)[1]
+    pieces = [raw, unquote(raw), *raw.split("@")]
+    return [piece for piece in dict.fromkeys(pieces) if piece]
+
+
+def parse_dsn(dsn: str) -> dict[str, Any]:
+    """The DSN's parameters, or UsageError (with passwords masked) when it does not parse."""
+    if safe_text(dsn) != dsn:
+        raise UsageError(
+            "--dsn/JOBRUN_DSN contains bytes that are not UTF-8 (check the locale or the file "
+            "it came from)"
+        )
+    _check_uri(dsn)
+    try:
+        params = conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        # WARNING: libpq quotes the part it could not parse, and that may be the password.
+        detail = redact(" ".join(str(exc).split()), tuple(_uri_passwords(dsn)))
+        detail = re.sub(_QUOTED, lambda m: _quoted_fragment(m.group(0), dsn), detail)
+        raise UsageError(f"--dsn/JOBRUN_DSN is not a valid connection string: {detail}") from None
+    if dsn.startswith(_URI_PREFIXES) and "@" in str(params.get("host") or ""):
+        raise UsageError(
+            "--dsn/JOBRUN_DSN: the URI has more than one '@' before the host; an '@' inside "
+            "the user name or password must be written %40"
+        )
+    return params
+
+
+def _check_uri(dsn: str) -> None:
+    """UsageError for a URI libpq would misread or not take; the message shows no part of it.
+
+    Driver-qualified URIs (SQLAlchemy's ``postgresql+psycopg://``, JDBC's
+    ``jdbc:postgresql://``) are refused rather than rewritten: their query parameters are
+    the driver's, not libpq's, and a guess could connect somewhere else than meant.
+    """
+    scheme = re.match(_SCHEME, dsn)
+    if scheme is None:
+        return
+    if not dsn.startswith(_URI_PREFIXES):
+        name = scheme.group(0)
+        if "postgres" not in name.lower():
+            raise UsageError(
+                f"--dsn/JOBRUN_DSN: a {name}:// URI is not a PostgreSQL connection string "
+                "(postgresql://... or host=... dbname=...)"
+            )
+        raise UsageError(
+            f"--dsn/JOBRUN_DSN: {name}:// is a driver's URL, not libpq's: write it "
+            "postgresql://... (as psql takes it), without the driver's query parameters"
+        )
+    rest = dsn.split("://", 1)[1]
+    hosts, slash, path = rest.partition("/")
+    if "@" in hosts or not slash:
+        return
+    database = path.split("?", 1)[0]
+    if "@" in database or ("@" in path and re.fullmatch(_URI_HOSTS, hosts) is None):
+        # libpq ends the user name and password at the first "/": it would take the
+        # password for a port and the rest for the database name, and show them.
+        raise UsageError(
+            "--dsn/JOBRUN_DSN: the URI has an '@' after a '/': a '/' inside the user name "
+            "or password must be written %2F (and an '@' in a database name %40)"
+        )
+
+
+def _quoted_fragment(quoted: str, dsn: str) -> str:
+    """A fragment libpq quoted from the DSN: kept unless it could hold the password."""
+    fragment = quoted[1:-1]
+    risky = "password" in dsn.lower() or bool(_uri_passwords(dsn))
+    if risky and fragment and fragment not in ("=", "'") and not _is_keyword(fragment):
+        return '"***"'
+    return quoted
+
+
+def _is_keyword(word: str) -> bool:
+    return bool(re.fullmatch(r"[a-z_]+", word)) and word != "password"
+
+
+def describe(target: Target) -> str:
+    """``host:port/dbname`` as far as the DSN says: safe to log (no user, no password)."""
+    params = parse_dsn(target.dsn)
+    env = os.environ
+    service = params.get("service") or env.get("PGSERVICE")
+    if service and not (params.get("host") or params.get("hostaddr")):
+        # The address is in a service file: say which service, rather than guess a socket.
+        return redact(safe_text(f"service {service}"), target.secrets)
+    # As libpq resolves them: the DSN, then the PG* variables, then its built-in defaults.
+    host = params.get("host") or params.get("hostaddr") or env.get("PGHOST") or "local socket"
+    port = params.get("port") or env.get("PGPORT") or "5432"
+    dbname = (
+        params.get("dbname")
+        or env.get("PGDATABASE")
+        or params.get("user")
+        or env.get("PGUSER")
+        or "(default database)"
+    )
+    return redact(safe_text(f"{host}:{port}/{dbname}"), target.secrets)

@@ -1,0 +1,9 @@
+"""Test harness shipped with jobrun: private PostgreSQL servers, fault proxies, PgBouncer.
+
+Used by jobrun's own tests and benchmarks, never by a run (nothing in jobrun imports it):
+``pgserver`` (throwaway servers: create, stop, crash, start; ``pgtools`` around them),
+``proxy`` (a TCP proxy that cuts, pauses or black-holes), ``delay_proxy`` (a distant
+database), ``pgbouncer``, ``failover`` (a primary and its standby), ``statement_log`` (a
+server's statements counted), ``jobrun_cli`` (the real CLI as a subprocess) and
+``overlap_scenarios`` (deadlocking pairs).
+"""
