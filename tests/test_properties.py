@@ -443,8 +443,8 @@ class TestPasswordsInUris:
     @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="flag", command="run")  # noqa: S106 - made up
     @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="variable", command="doctor")  # noqa: S106 - made up
     @example(password="q8Zr/Tk3+Vb9w=", form="uri", where="variable", command="status")  # noqa: S106 - made up
-    @example(password="pw9Secret", form="uri_driver", where="variable", command="run")
-    @example(password="postgres", form="uri_driver", where="flag", command="run")  # in the scheme  # noqa: S106 - made up
+    @example(password="pw9Secret", form="uri_driver", where="variable", command="run")  # noqa: S106 - made up
+    @example(password="postgres", form="uri_driver", where="flag", command="run")  # noqa: S106 - in the scheme
     @example(password="p@ss:w%41rd", form="uri", where="variable", command="run")  # noqa: S106 - made up
     @example(password="pässwörd+=", form="uri_encoded", where="variable", command="doctor")  # noqa: S106 - made up
     @given(
