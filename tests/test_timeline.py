@@ -141,8 +141,8 @@ class TestOverlaps:
         assert found == [model.Overlap(at(10), at(15), ("a", "b"))]
 
     def test_skips_never_overlap(self):
-        """A skip ran nothing: it makes no window."""
-        skip = model.Bar("b", at(5), at(5), model.SKIPPED)
+        """A skip ran nothing (even with no end recorded): it makes no window."""
+        skip = model.Bar("b", at(5), None, model.SKIPPED)
         assert model.overlaps([bar("a", 0, 10), skip], now=at(60)) == []
 
 
@@ -356,11 +356,21 @@ class TestCommand:
         assert result.returncode == 64
         assert "--html FILE or --svg FILE" in result.stderr
 
-    def test_a_missing_log_is_66(self, tmp_path):
-        """A --cron-log that does not exist: 66, nothing written."""
+    @pytest.mark.parametrize("flag", ["--log", "--cron-log", "--sessions-from"])
+    def test_a_missing_log_is_66(self, tmp_path, flag):
+        """A log that does not exist: 66, nothing written."""
         page = tmp_path / "t.html"
+        cron = tmp_path / "syslog"
+        cron.write_text("Dec  1 02:00:01 db1 CRON[1]: (app) CMD (./a.sh)\n")
         result = jobrun_cli.run(
-            "timeline", "--cron-log", str(tmp_path / "nope"), "--html", str(page), dsn=None
+            "timeline",
+            "--cron-log",
+            str(cron),
+            flag,
+            str(tmp_path / "nope"),
+            "--html",
+            str(page),
+            dsn=None,
         )
         assert result.returncode == 66
         assert not page.exists()

@@ -115,7 +115,6 @@ def overlaps(bars: Iterable[Bar], now: dt.datetime) -> list[Overlap]:
     for bar in bars:
         if bar.skip or bar.until(now) <= bar.start:
             continue
-        # Ends sort before starts at the same instant: touching runs did not overlap.
         events.extend(((bar.start, 1, bar.lane), (bar.until(now), 0, bar.lane)))
     events.sort()
     busy: dict[str, int] = {}
@@ -123,6 +122,8 @@ def overlaps(bars: Iterable[Bar], now: dt.datetime) -> list[Overlap]:
     opened: tuple[dt.datetime, tuple[str, ...]] | None = None
     index = 0
     while index < len(events):
+        # Every start and end at one instant is applied before the busy lanes are looked
+        # at: a run ending the moment another starts did not overlap it.
         when = events[index][0]
         while index < len(events) and events[index][0] == when:
             _, starts, lane = events[index]
