@@ -172,6 +172,49 @@ class TestBuild:
         assert model.log_time("2026-12-01 02:10:00", naive) == at(10)
 
 
+class TestNights:
+    """Each night's runs over one time-of-day axis, one night above another."""
+
+    def test_runs_marks_and_windows_go_to_the_day_they_started(self):
+        """Two nights: each has its own runs, its window and its deadlock."""
+        day = dt.timedelta(days=1)
+        bars = [bar("a", 0, 20), bar("b", 10, 30), bar("a", 1440, 1450), bar("b", 1460, 1470)]
+        marks = [model.Mark(at(15), "log line 1", ("a", "b"))]
+        found = model.nights(model.build(["a", "b"], bars, marks, now=at(3000)))
+        assert [one.day for one in found] == [T0.date(), (T0 + day).date()]
+        assert [len(one.bars) for one in found] == [2, 2]
+        assert [len(one.overlaps) for one in found] == [1, 0]
+        assert [len(one.marks) for one in found] == [1, 0]
+
+    def test_a_run_past_midnight_stays_whole_on_its_night(self):
+        """23:50 to 00:20: one bar on the night it started; the axis runs past 24:00."""
+        late = model.Bar("a", at(21 * 60 + 50), at(22 * 60 + 20), "succeeded")
+        (one,) = model.nights(model.build(["a"], [late], [], now=at(3000)))
+        assert one.day == T0.date()
+        low, high = model.hours_shown([one], at(3000))
+        assert low < 23 * 3600 + 50 * 60
+        assert high > 24 * 3600 + 20 * 60
+
+    def test_the_page_draws_each_night_when_there_are_several(self, tmp_path):
+        """Cron runs on two days: a night group per day, its bars and its mark."""
+        cron = tmp_path / "syslog"
+        cron.write_text(
+            "Dec  1 02:00:01 db1 CROND[1]: (app) CMD (./a.sh)\n"
+            "Dec  1 02:20:00 db1 CROND[1]: (app) CMDEND (./a.sh)\n"
+            "Dec  2 02:00:01 db1 CROND[2]: (app) CMD (./a.sh)\n"
+            "Dec  2 02:30:00 db1 CROND[2]: (app) CMDEND (./a.sh)\n"
+        )
+        log = tmp_path / "postgresql.log"
+        log.write_text(deadlock_log("2026-12-02 02:25:00.000"))
+        page = draw(tmp_path, "--cron-log", str(cron), "--log", str(log), dsn=None)
+        assert [g["data-day"] for g in page.with_id("night-")] == ["2026-12-01", "2026-12-02"]
+        assert len(page.with_id("night0-run-")) == len(page.with_id("night1-run-")) == 1
+        assert [m["data-at"] for m in page.with_id("night1-deadlock-")] == [
+            "2026-12-02 02:25:00 UTC"
+        ]
+        assert page.with_id("night0-deadlock-") == []
+
+
 class TestHistory:
     """Lanes from the run history: one per KEY, a bar per run, shaded where they overlapped."""
 

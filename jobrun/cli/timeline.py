@@ -6,6 +6,7 @@ import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
+from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
 
 #: At most this many runs and skips are read from the history (newest first).
@@ -135,10 +136,11 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     drawn = model.build(labels, read.bars, read.marks, now=now, since=since)
     drawn.notes = read.notes + drawn.notes
     title = "jobrun timeline: " + (", ".join(labels) or "scheduled jobs")
-    if html_path is not None:
-        _write(html_path, render.page(drawn, title))
-    if svg_path is not None:
-        _write(svg_path, render.svg(drawn) + "\n")
+    for path, text in ((html_path, render.page(drawn, title)), (svg_path, render.svg(drawn))):
+        if path is not None:
+            _write(path, text if text.endswith("\n") else text + "\n")
+            if path != "-":
+                click.echo(f"wrote {printable(path)}: {render.summary(drawn)}")
     return 0
 
 

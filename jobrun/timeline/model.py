@@ -265,3 +265,59 @@ def log_time(text: str, naive: dt.datetime) -> dt.datetime:
 def _utc(when: dt.datetime) -> dt.datetime:
     """An aware time in UTC; a naive one (a log's) taken as UTC."""
     return when.astimezone(UTC) if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+@dataclass
+class Night:
+    """One day's runs (by the UTC day they started on), to be drawn over one time-of-day axis."""
+
+    day: dt.date
+    lanes: list[str]
+    bars: list[Bar]
+    overlaps: list[Overlap]
+    marks: list[Mark]
+
+    @property
+    def midnight(self) -> dt.datetime:
+        """The start of the day, that times of day are counted from."""
+        return dt.datetime.combine(self.day, dt.time(), tzinfo=UTC)
+
+
+def nights(timeline: Timeline) -> list[Night]:
+    """The timeline cut into days: the same hours of each night one above another.
+
+    A run belongs to the day it started (one past midnight stays whole); an overlap window
+    to the day it opened; a mark to its own day. Days with nothing on them are left out.
+    """
+    days: dict[dt.date, Night] = {}
+
+    def night(when: dt.datetime) -> Night:
+        day = when.date()
+        return days.setdefault(day, Night(day, [], [], [], []))
+
+    for bar in timeline.bars:
+        night(bar.start).bars.append(bar)
+    for window in timeline.overlaps:
+        night(window.start).overlaps.append(window)
+    for mark in timeline.marks:
+        night(mark.at).marks.append(mark)
+    for one in days.values():
+        busy = {bar.lane for bar in one.bars}
+        one.lanes = [lane for lane in timeline.lanes if lane in busy]
+    return [days[day] for day in sorted(days)]
+
+
+def hours_shown(found: Sequence[Night], now: dt.datetime) -> tuple[float, float]:
+    """The seconds after midnight the nights' axis runs from and to (everything on it)."""
+    offsets = [
+        (moment - one.midnight).total_seconds()
+        for one in found
+        for moment in [
+            *(bar.start for bar in one.bars),
+            *(bar.until(now) for bar in one.bars),
+            *(mark.at for mark in one.marks),
+        ]
+    ]
+    low, high = min(offsets, default=0.0), max(offsets, default=86400.0)
+    margin = max((high - low) * 0.03, 60.0)
+    return max(low - margin, 0.0), high + margin

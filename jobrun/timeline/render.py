@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from jobrun.durations import format_seconds
 from jobrun.escape import printable
+from jobrun.timeline import model
 from jobrun.timeline.model import LOGGED, OUTCOMES, SKIPPED
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ TOP = 40
 LANE = 30
 BAR = 18
 LEGEND = 56
+NIGHT_GAP = 10
+DAY = 86400
 #: A run shorter than a pixel is still drawn this wide, so that no run is invisible.
 MIN_BAR = 2.0
 _COLOURS = {
@@ -76,15 +79,14 @@ _SCRIPT = """
 (function () {
   var tip = document.getElementById("tip");
   var svg = document.getElementById("timeline");
-  svg.addEventListener("mousemove", function (event) {
-    var target = event.target.closest("[data-tip]");
+  document.addEventListener("mousemove", function (event) {
+    var target = event.target.closest ? event.target.closest("[data-tip]") : null;
     if (!target) { tip.hidden = true; return; }
     tip.textContent = target.getAttribute("data-tip");
     tip.style.left = (event.pageX + 14) + "px";
     tip.style.top = (event.pageY + 14) + "px";
     tip.hidden = false;
   });
-  svg.addEventListener("mouseleave", function () { tip.hidden = true; });
   document.body.setAttribute("data-runs", String(svg.querySelectorAll(".run").length));
   document.body.setAttribute("data-ready", "true");
 })();
@@ -106,11 +108,11 @@ def _when(moment: dt.datetime) -> str:
 
 
 class _Scale:
-    """Time to x, over the plot area."""
+    """Time to x, over the plot area: ``start`` at its left edge, ``span`` seconds across."""
 
-    def __init__(self, timeline: Timeline) -> None:
-        self.start = timeline.start
-        self.span = (timeline.end - timeline.start).total_seconds()
+    def __init__(self, start: dt.datetime, span: float) -> None:
+        self.start = start
+        self.span = span
         self.width = WIDTH - LABELS - RIGHT
 
     def x(self, moment: dt.datetime) -> float:
@@ -120,7 +122,7 @@ class _Scale:
 
 def svg(timeline: Timeline) -> str:
     """The timeline as an ``<svg>`` element (valid on its own and inside HTML)."""
-    scale = _Scale(timeline)
+    scale = _Scale(timeline.start, (timeline.end - timeline.start).total_seconds())
     height = TOP + LANE * max(len(timeline.lanes), 1) + LEGEND
     lane_of = {lane: index for index, lane in enumerate(timeline.lanes)}
     parts = [
@@ -131,7 +133,7 @@ def svg(timeline: Timeline) -> str:
             f'data-end="{_when(timeline.end)}">'
         ),
         f"<style>{_STYLE}</style>",
-        *_axis(timeline, scale, height - LEGEND),
+        *_axis(scale, height - LEGEND, "%m-%d %H:%M" if scale.span > DAY else "%H:%M"),
     ]
     for index, lane in enumerate(timeline.lanes):
         y = TOP + index * LANE
@@ -142,39 +144,97 @@ def svg(timeline: Timeline) -> str:
             f"{_text(_short(lane))}<title>{_text(lane)}</title></text>"
         )
         parts += [
-            _bar(bar, number, scale, timeline.now, y)
+            _bar(bar, f"run-{number}", scale, timeline.now, y)
             for number, bar in enumerate(timeline.bars)
             if lane_of.get(bar.lane) == index
         ]
         parts.append("</g>")
     bottom = TOP + LANE * max(len(timeline.lanes), 1)
     parts += [
-        _overlap(window, number, scale, bottom) for number, window in enumerate(timeline.overlaps)
+        _overlap(window, f"overlap-{number}", scale, TOP, bottom)
+        for number, window in enumerate(timeline.overlaps)
     ]
-    parts += [_mark(mark, number, scale, bottom) for number, mark in enumerate(timeline.marks)]
+    parts += [
+        _mark(mark, f"deadlock-{number}", scale, TOP, bottom)
+        for number, mark in enumerate(timeline.marks)
+    ]
     parts += _legend(height - LEGEND + 18)
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def nights_svg(timeline: Timeline) -> str:
+    """The same hours of each night one above another (empty when all is on one day).
+
+    Each night is a group of rows, one per lane busy that night, over one time-of-day axis:
+    "the deadlocks are the nights refunds ran past 02:10" is seen at a glance.
+    """
+    found = model.nights(timeline)
+    if len(found) < 2:  # noqa: PLR2004 - one night is the main picture already
+        return ""
+    low, high = model.hours_shown(found, timeline.now)
+    rows = sum(len(one.lanes) or 1 for one in found)
+    height = TOP + rows * LANE + NIGHT_GAP * len(found) + 10
+    parts = [
+        (
+            f'<svg id="nights" class="timeline nights" xmlns="http://www.w3.org/2000/svg" '
+            f'width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
+            f'data-nights="{len(found)}">'
+        ),
+        f"<style>{_STYLE}</style>",
+    ]
+    reference = found[0].midnight
+    parts += _axis(_Scale(reference + dt.timedelta(seconds=low), high - low), height - 10, "%H:%M")
+    y = float(TOP)
+    for night_number, one in enumerate(found):
+        scale = _Scale(one.midnight + dt.timedelta(seconds=low), high - low)
+        top, prefix = y, f"night{night_number}-"
+        parts.append(
+            f'<g class="night" id="night-{night_number}" data-day="{one.day.isoformat()}">'
+        )
+        for lane in one.lanes:
+            parts.append(
+                f'<g class="night-lane" data-lane="{_text(lane)}">'
+                f'<rect class="lane-bg" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE - 4}"/>'
+                f'<text class="lane-label" x="6" y="{y + LANE / 2 + 4}">'
+                f"{one.day:%m-%d} {_text(_short(lane, 30))}<title>{_text(lane)}</title></text>"
+            )
+            parts += [
+                _bar(bar, f"{prefix}run-{number}", scale, timeline.now, y)
+                for number, bar in enumerate(one.bars)
+                if bar.lane == lane
+            ]
+            parts.append("</g>")
+            y += LANE
+        parts += [
+            _overlap(window, f"{prefix}overlap-{number}", scale, top, y)
+            for number, window in enumerate(one.overlaps)
+        ]
+        parts += [
+            _mark(mark, f"{prefix}deadlock-{number}", scale, top + 6, y - 4)
+            for number, mark in enumerate(one.marks)
+        ]
+        parts.append("</g>")
+        y += NIGHT_GAP
     parts.append("</svg>")
     return "\n".join(parts)
 
 
 def page(timeline: Timeline, title: str) -> str:
     """The timeline as one HTML page: the SVG, a summary, notes, and the hover script."""
-    runs = [bar for bar in timeline.bars if not bar.skip]
-    summary = (
-        f"{len(runs)} run(s), {len(timeline.bars) - len(runs)} skip(s) in "
-        f"{len(timeline.lanes)} lane(s), {len(timeline.overlaps)} overlap window(s), "
-        f"{sum(bar.deadlocks or 0 for bar in runs)} deadlock(s) counted during runs, "
-        f"{len(timeline.marks)} deadlock(s) in the server log; "
-        f"{_when(timeline.start)} to {_when(timeline.end)}"
-    )
+    shown = f"{_when(timeline.start)} to {_when(timeline.end)}: {summary(timeline)}"
     notes = "".join(f"<li>{_text(note)}</li>" for note in timeline.notes)
+    nights = nights_svg(timeline)
+    if nights:
+        nights = f"<h2>Night by night (the same hours of each day, UTC)</h2>\n{nights}"
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_text(title)}</title><style>{_PAGE_STYLE}</style></head>\n"
         f"<body><h1>{_text(title)}</h1>\n"
-        f'<p id="summary">{_text(summary)}</p>\n'
+        f'<p id="summary">{_text(shown)}</p>\n'
         f"{svg(timeline)}\n"
+        f"{nights}\n"
         f'<ul class="notes">{notes}</ul>\n'
         '<div id="tip" hidden></div>\n'
         f"<script>{_SCRIPT}</script>\n"
@@ -182,17 +242,36 @@ def page(timeline: Timeline, title: str) -> str:
     )
 
 
+def summary(timeline: Timeline) -> str:
+    """``2 lane(s), 3 run(s), 0 skip(s), 1 overlap window(s), ...``: what the picture shows."""
+    runs = [bar for bar in timeline.bars if not bar.skip]
+    return (
+        f"{len(timeline.lanes)} lane(s), {len(runs)} run(s), "
+        f"{len(timeline.bars) - len(runs)} skip(s), {len(timeline.overlaps)} overlap window(s), "
+        f"{sum(bar.deadlocks or 0 for bar in runs)} deadlock(s) counted during runs, "
+        f"{len(timeline.marks)} deadlock(s) in the server log"
+    )
+
+
 def _short(lane: str, room: int = 38) -> str:
-    """A lane's name cut to fit the label column (the whole name is its hover text)."""
-    return lane if len(lane) <= room else lane[: room - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    """A lane's name cut in the middle to fit the label column (whole in its hover text).
+
+    The middle goes: a cron lane's start (``cron (app) jobrun --key``) is the same in every
+    lane, its end (the job) tells them apart.
+    """
+    if len(lane) <= room:
+        return lane
+    head = room // 3
+    return lane[:head] + "\N{HORIZONTAL ELLIPSIS}" + lane[len(lane) - (room - head - 1) :]
 
 
-def _bar(bar: Bar, number: int, scale: _Scale, now: dt.datetime, lane_y: float) -> str:
+def _bar(bar: Bar, ident: str, scale: _Scale, now: dt.datetime, lane_y: float) -> str:
     x = scale.x(bar.start)
     if bar.skip:
         tip = _tip([f"skipped: {bar.lane}", f"host {bar.host or '?'}", _when(bar.start)])
+        skip = ident.replace("run-", "skip-")
         return (
-            f'<line class="skip" id="skip-{number}" data-run-id="{_text(bar.run_id or "")}" '
+            f'<line class="skip" id="{skip}" data-run-id="{_text(bar.run_id or "")}" '
             f'data-host="{_text(bar.host or "")}" x1="{x:.1f}" x2="{x:.1f}" '
             f'y1="{lane_y + LANE / 2 - 5}" y2="{lane_y + LANE / 2 + 5}" data-tip="{tip}">'
             f"<title>{tip}</title></line>"
@@ -203,7 +282,7 @@ def _bar(bar: Bar, number: int, scale: _Scale, now: dt.datetime, lane_y: float) 
     y = lane_y + (LANE - BAR) / 2
     drawn = [
         (
-            f'<rect class="run outcome-{outcome}" id="run-{number}" '
+            f'<rect class="run outcome-{outcome}" id="{ident}" '
             f'data-run-id="{_text(bar.run_id or "")}" data-outcome="{_text(bar.outcome)}" '
             f'data-host="{_text(bar.host or "")}" '
             f'data-exit-code="{"" if bar.exit_code is None else bar.exit_code}" '
@@ -215,7 +294,7 @@ def _bar(bar: Bar, number: int, scale: _Scale, now: dt.datetime, lane_y: float) 
     if bar.deadlocks:
         cx, cy = x + width / 2, y - 1
         drawn.append(
-            f'<g class="run-deadlocks" data-run="run-{number}" data-count="{bar.deadlocks}" '
+            f'<g class="run-deadlocks" data-run="{ident}" data-count="{bar.deadlocks}" '
             f'data-tip="{tip}"><path d="M{cx:.1f} {cy - 6:.1f} l5 6 l-5 6 l-5 -6 z"/>'
             f'<text x="{cx + 6:.1f}" y="{cy:.1f}">{bar.deadlocks}</text>'
             f"<title>{tip}</title></g>"
@@ -245,7 +324,7 @@ def _bar_lines(bar: Bar, now: dt.datetime) -> list[str]:
     return lines
 
 
-def _overlap(window: Overlap, number: int, scale: _Scale, bottom: float) -> str:
+def _overlap(window: Overlap, ident: str, scale: _Scale, top: float, bottom: float) -> str:
     x = scale.x(window.start)
     width = max(scale.x(window.end) - x, MIN_BAR)
     seconds = (window.end - window.start).total_seconds()
@@ -257,30 +336,30 @@ def _overlap(window: Overlap, number: int, scale: _Scale, bottom: float) -> str:
     )
     lanes = _text(json.dumps(window.lanes, ensure_ascii=False))
     return (
-        f'<rect class="overlap" id="overlap-{number}" data-lanes="{lanes}" '
-        f'data-count="{len(window.lanes)}" x="{x:.1f}" y="{TOP}" width="{width:.1f}" '
-        f'height="{bottom - TOP}" data-tip="{tip}"><title>{tip}</title></rect>'
+        f'<rect class="overlap" id="{ident}" data-lanes="{lanes}" '
+        f'data-count="{len(window.lanes)}" x="{x:.1f}" y="{top}" width="{width:.1f}" '
+        f'height="{bottom - top}" data-tip="{tip}"><title>{tip}</title></rect>'
     )
 
 
-def _mark(mark: Mark, number: int, scale: _Scale, bottom: float) -> str:
+def _mark(mark: Mark, ident: str, scale: _Scale, top: float, bottom: float) -> str:
     x = scale.x(mark.at)
     tip = _tip([f"deadlock at {_when(mark.at)}", "sides: " + ", ".join(mark.sides), mark.where])
     return (
-        f'<line class="deadlock-mark" id="deadlock-{number}" data-at="{_when(mark.at)}" '
-        f'data-where="{_text(mark.where)}" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP - 6}" '
+        f'<line class="deadlock-mark" id="{ident}" data-at="{_when(mark.at)}" '
+        f'data-where="{_text(mark.where)}" x1="{x:.1f}" x2="{x:.1f}" y1="{top - 6}" '
         f'y2="{bottom + 4}" data-tip="{tip}"><title>{tip}</title></line>'
     )
 
 
-def _axis(timeline: Timeline, scale: _Scale, bottom: float) -> list[str]:
+def _axis(scale: _Scale, bottom: float, fmt: str) -> list[str]:
     step = next((s for s in _STEPS if scale.span / s <= _MAX_TICKS), _STEPS[-1])
-    fmt = "%m-%d %H:%M" if scale.span > 86400 else "%H:%M"  # noqa: PLR2004 - a day
-    epoch = dt.datetime(1970, 1, 1, tzinfo=timeline.start.tzinfo)
-    first = int(-(-(timeline.start - epoch).total_seconds() // step) * step)
+    epoch = dt.datetime(1970, 1, 1, tzinfo=scale.start.tzinfo)
+    first = int(-(-(scale.start - epoch).total_seconds() // step) * step)
     parts = ['<g class="axis">']
     tick = epoch + dt.timedelta(seconds=first)
-    while tick <= timeline.end:
+    end = scale.start + dt.timedelta(seconds=scale.span)
+    while tick <= end:
         x = scale.x(tick)
         parts.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP - 4}" y2="{bottom}"/>'
