@@ -399,6 +399,25 @@ class TestCommand:
         assert result.returncode == 64
         assert "--html FILE or --svg FILE" in result.stderr
 
+    def test_nothing_to_draw_is_usage_64(self, tmp_path):
+        """No KEY and no log of runs (a --log alone has deadlocks, no runs): 64."""
+        log = tmp_path / "postgresql.log"
+        log.write_text(deadlock_log("2026-12-01 02:10:00.000"))
+        result = jobrun_cli.run(
+            "timeline", "--log", str(log), "--html", str(tmp_path / "t.html"), dsn=None
+        )
+        assert result.returncode == 64
+        assert "nothing to draw" in result.stderr
+
+    def test_html_to_standard_output(self, tmp_path):
+        """--html -: the page on standard output, no file, no summary line."""
+        cron = tmp_path / "syslog"
+        cron.write_text("Dec  1 02:00:01 db1 CRON[1]: (app) CMD (./a.sh)\n")
+        result = jobrun_cli.run("timeline", "--cron-log", str(cron), "--html", "-", dsn=None)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("<!DOCTYPE html>")
+        assert "wrote" not in result.stdout
+
     @pytest.mark.parametrize("flag", ["--log", "--cron-log", "--sessions-from"])
     def test_a_missing_log_is_66(self, tmp_path, flag):
         """A log that does not exist: 66, nothing written."""
