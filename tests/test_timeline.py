@@ -35,6 +35,8 @@ CHROMIUM_HINT = "headless Chromium is needed to render the timeline (apt-get ins
 #: A key and a host that try to break out of an attribute, an element and a script.
 HOSTILE_KEY = 'k<script>alert("key")</script>\''
 HOSTILE_HOST = "h\"><script>alert('host')</script>"
+#: A cron command that marks the page (``data-pwned``) if its text is ever run as script.
+HOSTILE_COMMAND = './refunds.py \'"><script>document.body.setAttribute("data-pwned", 1)</script>'
 
 
 def at(minutes: float) -> dt.datetime:
@@ -483,14 +485,17 @@ def headless(binary: str, profile: Path, *args: str) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A timeline page from a cron log and a server log: 2 lanes, 1 window, 1 mark."""
+    """A timeline page from a cron log and a server log: 2 lanes, 1 window, 1 mark.
+
+    One command carries a script that would mark the page if it ever ran.
+    """
     where = tmp_path_factory.mktemp("rendered")
     cron = where / "syslog"
     cron.write_text(
         "Dec  1 02:00:01 db1 CROND[4120]: (app) CMD (./invoices.py)\n"
-        "Dec  1 02:05:00 db1 CROND[4121]: (app) CMD (./refunds.py)\n"
+        f"Dec  1 02:05:00 db1 CROND[4121]: (app) CMD ({HOSTILE_COMMAND})\n"
         "Dec  1 02:12:00 db1 CROND[4120]: (app) CMDEND (./invoices.py)\n"
-        "Dec  1 02:15:00 db1 CROND[4121]: (app) CMDEND (./refunds.py)\n"
+        f"Dec  1 02:15:00 db1 CROND[4121]: (app) CMDEND ({HOSTILE_COMMAND})\n"
     )
     log = where / "postgresql.log"
     log.write_text(deadlock_log("2026-12-01 02:10:00.000"))
@@ -506,13 +511,15 @@ class TestInChromium:
     """The page as a browser sees it: elements after its script ran, and a picture."""
 
     def test_the_dom_has_lanes_bars_the_window_and_the_mark(self, rendered, tmp_path):
-        """--dump-dom: 2 lanes, 2 bars, 1 overlap, 1 deadlock mark; the script ran."""
+        """--dump-dom: 2 lanes, 2 bars, 1 overlap, 1 deadlock mark; only jobrun's script ran."""
         dumped = headless(chromium(), tmp_path / "profile", "--dump-dom", rendered.as_uri())
         assert dumped.returncode == 0, dumped.stderr
         dom = Elements(dumped.stdout)
         (body,) = dom.tag("body")
         assert body.get("data-ready") == "true", "the page's script did not run"
         assert body.get("data-runs") == "2"
+        assert "data-pwned" not in body, "a command's text ran as script"
+        assert len(dom.tag("script")) == 1
         assert len(dom.with_id("lane-")) == 2
         assert len(dom.with_id("run-")) == 2
         assert len(dom.with_id("overlap-")) == 1
