@@ -57,7 +57,7 @@ svg.timeline .lane-label { fill: #212121; }
 svg.timeline .axis line { stroke: #bdbdbd; }
 svg.timeline .axis text { fill: #616161; font-size: 11px; }
 svg.timeline .overlap { fill: #ffc107; fill-opacity: 0.28; stroke: #ffa000; stroke-opacity: 0.6; }
-svg.timeline .skip { stroke: #757575; stroke-width: 1.5; }
+svg.timeline .skip { stroke: #212121; stroke-width: 2; }
 svg.timeline .run-deadlocks path { fill: #d50000; stroke: #fff; stroke-width: 1; }
 svg.timeline .run-deadlocks text { fill: #d50000; font-size: 10px; font-weight: bold; }
 svg.timeline .deadlock-mark { stroke: #d50000; stroke-width: 1.5; stroke-dasharray: 4 3; }
@@ -273,7 +273,7 @@ def _bar(bar: Bar, ident: str, scale: _Scale, now: dt.datetime, lane_y: float) -
         return (
             f'<line class="skip" id="{skip}" data-run-id="{_text(bar.run_id or "")}" '
             f'data-host="{_text(bar.host or "")}" x1="{x:.1f}" x2="{x:.1f}" '
-            f'y1="{lane_y + LANE / 2 - 5}" y2="{lane_y + LANE / 2 + 5}" data-tip="{tip}">'
+            f'y1="{lane_y + 3}" y2="{lane_y + LANE - 3}" data-tip="{tip}">'
             f"<title>{tip}</title></line>"
         )
     width = max(scale.x(bar.until(now)) - x, MIN_BAR)
