@@ -101,6 +101,11 @@ SUBCOMMANDS: dict[str, Lazy] = {
         "stop_command",
         "Stop the run holding KEY, wherever it runs, as if its lock were lost.",
     ),
+    "timeline": Lazy(
+        "jobrun.cli.timeline",
+        "timeline_command",
+        "Draw the runs of each KEY as a lane, their overlaps and deadlocks, to a file.",
+    ),
     "version": Lazy(
         "jobrun.cli.tools",
         "version_command",
