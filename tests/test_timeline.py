@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
+from jobrun.testing import jobrun_cli
 from jobrun.timeline import model
-from support import jobrun_cli
 from support.history import ensure_runs_table
 
 if TYPE_CHECKING:
