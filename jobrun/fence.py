@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from psycopg import errors
 
 from jobrun import db, sql
+from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.listeners import Listener
 
 if TYPE_CHECKING:
     import psycopg
@@ -69,6 +71,30 @@ def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLo
     lock.check()
     log.info("fence_taken", fence=token)
     return token
+
+
+class Fence(Listener):
+    """``--fence`` as a run's listener: the child's JOBRUN_FENCE_TOKEN, taken while locked."""
+
+    #: A run without its lock has no token to give (the options refuse the pair).
+    unguarded_too = False
+
+    def __init__(self, target: db.Target, lock: Lock, *, log: FilteringBoundLogger) -> None:
+        self._target = target
+        self._lock = lock
+        self._log = log
+
+    def preparing(self, env: dict[str, str]) -> int | None:
+        """Add the token; without one the child never starts (LockLost raised as such)."""
+        try:
+            token = issue(self._target, self._lock, app_name="jobrun-fence", log=self._log)
+        except LockStoreUnavailable as exc:
+            self._log.error(
+                exc.event, reason=exc.reason, error=str(exc), fence=True, exit_code=exc.exit_code
+            )
+            return exc.exit_code
+        env[ENV] = str(token)
+        return None
 
 
 def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:

@@ -2,59 +2,17 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import click
 from click.core import ParameterSource
 
-from jobrun import __version__, keys
-from jobrun.cli import options, wiring
+from jobrun import __version__, assemble, keys
+from jobrun.cli import options
 from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
+from jobrun.settings import Settings
 
 #: Variables of the run's keys, and the option each stands for.
 KEY_VARIABLES = {"key_names": "JOBRUN_KEY", "lock_ids": "JOBRUN_LOCK_ID"}
-
-
-class Settings(NamedTuple):
-    """A run's validated options (durations in seconds)."""
-
-    run_keys: tuple[keys.Key, ...]
-    mode: str
-    dsn: str
-    dsn_on_command_line: bool
-    connect_timeout: float
-    wait: float
-    wait_report: float
-    timeout: float | None
-    kill_after: float
-    heartbeat: float
-    ttl: float
-    #: lease: how long a renewal vouches for the lease (session: unused)
-    lifetime: float
-    min_hold: float | None
-    once_per: float | None
-    skip_exit_code: int
-    on_db_error: str
-    on_lock_lost: str
-    no_history: bool
-    keep: int
-    alert_after: int
-    alert_repeat: float
-    on_alert: str | None
-    metrics_file: str | None
-    expect_every: float | None
-    expect_grace: float | None
-    slots: int
-    ping: str | None
-    ping_timeout: float
-    keep_output: str | None
-    fence: bool
-    pass_env: tuple[str, ...]
-    mask_env: tuple[str, ...]
-    log_format: str
-    log_file: str | None
-    log_level: str
 
 
 @click.group(
@@ -390,7 +348,7 @@ def cli(
         log_file=log_file,
         log_level=log_level,
     )
-    return wiring.run(argv, settings)
+    return assemble.run(argv, settings)
 
 
 def _check_pass_env(ctx: click.Context, names: tuple[str, ...]) -> None:

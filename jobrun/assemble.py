@@ -1,4 +1,4 @@
-"""A validated run wired up: its logger, lock, history recorder and extras, then the runner."""
+"""A run assembled from its settings: logger, lock, history, listeners; then the runner."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 from typing import TYPE_CHECKING
 
 from jobrun import __version__, keys
-from jobrun.cli import options
 from jobrun.exitcodes import UsageError
 
 if TYPE_CHECKING:
@@ -16,18 +15,22 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
-    from jobrun.cli.run import Settings
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
+    from jobrun.settings import Settings
     from jobrun.waiting import WaitReporter
 
 STDERR = 2
 
 
 def run(argv: tuple[str, ...], settings: Settings) -> int:
-    """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import log, masking, operators, runner
+    """Build the run ``settings`` describe, run it, and return its exit status.
+
+    The heavy parts (the lock modes, the history, the operators' modules) are imported
+    here, and only those the settings use.
+    """
+    from jobrun import db, log, masking, operators, runner
     from jobrun.locks import Identity, new_run_id
 
     extras = operators.validate(
@@ -40,7 +43,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     )
 
     run_keys = settings.run_keys
-    target = options.target(settings.dsn, settings.connect_timeout, warn=False)
+    target = db.Target(dsn=settings.dsn, connect_timeout=settings.connect_timeout)
     fd, log_file_error = None, None
     if settings.log_file:
         # A log file that cannot be opened never costs the job its run: stderr instead.
@@ -110,9 +113,11 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
-    if options.OLD_FENCE_VARIABLE in os.environ:
+    from jobrun.cli.options import OLD_FENCE_VARIABLE  # the option's own module names it
+
+    if OLD_FENCE_VARIABLE in os.environ:
         bound.warning(
-            "deprecated_variable", variable=options.OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
+            "deprecated_variable", variable=OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
         )
     if settings.dsn_on_command_line and target.has_password:
         bound.warning(
@@ -120,7 +125,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             hint="a password in --dsn is visible to every user in ps; "
             "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
         )
-    wired = operators.Extras(
+    listeners = operators.listeners(
         extras,
         target=target,
         lock=lock,
@@ -129,20 +134,16 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         log=bound,
         hidden=hidden,
     )
-    status = runner.run(
+    return runner.run(
         job,
         lock=lock,
         identity=identity,
         environ=os.environ,
         log=bound,
-        recorder=recorder,
-        pinger=wired.pinger,
-        capture=wired.capture,
-        fencer=wired.fencer,
+        history=recorder,
+        listeners=listeners,
         waiting=_waiting(settings, target, bound),
     )
-    wired.after(status)  # the output tail and the end ping, after the release
-    return status
 
 
 def _lock(
