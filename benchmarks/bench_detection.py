@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from jobrun import db, keys  # noqa: E402
 from jobrun.locks import Identity  # noqa: E402
 from jobrun.locks.lease import LeaseLock  # noqa: E402
+from jobrun.session import ServerSession  # noqa: E402
 from support.proxy import TcpProxy  # noqa: E402 - after the path set-up
 
 CHILD = """
@@ -108,8 +109,9 @@ def lease_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
     for _ in range(runs):
         key = keys.from_name(f"bench-lease-{uuid.uuid4().hex[:8]}")
         lock = LeaseLock(
-            (key,), target, Identity(run_id=str(uuid.uuid4()), pid=os.getpid()), log,
-            ttl=30, lifetime=17,
+            (key,), ServerSession(target, app_name="jobrun:bench", held=False, lends=False),
+            Identity(run_id=str(uuid.uuid4()), pid=os.getpid()), log,
+            ttl=30, lifetime=17, heartbeat=1.0,
         )  # fmt: skip
         t = time.perf_counter()
         if lock.acquire(0) is not None:

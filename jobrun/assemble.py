@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
+    from jobrun.session import ServerSession
     from jobrun.settings import Settings
     from jobrun.waiting import WaitReporter
 
@@ -96,19 +97,20 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         once_per=settings.once_per,
         pass_env=settings.pass_env,
     )
+    session = _session(settings, target, identity)
     lock: Lock
     if settings.slots > 1:
         from jobrun import slots
 
         slot_keys = slots.slot_keys(run_keys[0], settings.slots)
         lock = slots.SlotLock(
-            [_lock(settings, (key,), target, identity, bound, lend=False) for key in slot_keys],
+            [_lock(settings, (key,), session, identity, bound) for key in slot_keys],
             [key.lock_id for key in slot_keys],
         )
     else:
-        lock = _lock(settings, run_keys, target, identity, bound)
+        lock = _lock(settings, run_keys, session, identity, bound)
     recorder = _recorder(
-        settings, target, identity, program=argv[0], log=bound, lock=lock, hidden=hidden
+        settings, target, identity, program=argv[0], log=bound, session=session, hidden=hidden
     )
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
@@ -129,6 +131,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         extras,
         target=target,
         lock=lock,
+        session=session,
         identity=identity,
         recorder=recorder,
         log=bound,
@@ -137,6 +140,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     return runner.run(
         job,
         lock=lock,
+        session=session,
         identity=identity,
         environ=os.environ,
         log=bound,
@@ -146,37 +150,52 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     )
 
 
+def _session(settings: Settings, target: db.Target, identity: Identity) -> ServerSession:
+    """The run's one server session, handed to the lock, the history and the fence.
+
+    Session mode: the lock session, held from the acquisition to the release, every
+    statement naming the holder. Lease mode: open only between the lock's statements; with
+    ``--slots`` each attempt closes its own (no slot's connection is anyone else's).
+    """
+    from jobrun import db, session
+
+    app_name = db.application_name(keys.describe(settings.run_keys))
+    if settings.mode == "lease":
+        return session.ServerSession(
+            target, app_name=app_name, held=False, lends=settings.slots <= 1
+        )
+    from jobrun.locks.session import holder_comment
+
+    return session.ServerSession(
+        target, app_name=app_name, held=True, comment=holder_comment(identity)
+    )
+
+
 def _lock(
     settings: Settings,
     run_keys: tuple[keys.Key, ...],
-    target: db.Target,
+    session: ServerSession,
     identity: Identity,
     log: FilteringBoundLogger,
-    *,
-    lend: bool = True,
 ) -> Lock:
-    """The lock of the run's mode on ``run_keys``.
-
-    ``lend``: a lease lends its connections to the history (not with ``--slots``).
-    """
+    """The lock of the run's mode on ``run_keys``, over the run's ``session``."""
     if settings.mode == "lease":
         from jobrun.locks import lease
 
         return lease.LeaseLock(
             run_keys,
-            target,
+            session,
             identity,
             log,
             ttl=settings.ttl,
             lifetime=settings.lifetime,
             heartbeat=settings.heartbeat,
-            lend=lend,
         )
-    from jobrun.locks import session
+    from jobrun.locks.session import SessionLock
 
-    return session.SessionLock(
+    return SessionLock(
         run_keys,
-        target,
+        session,
         identity,
         log,
         heartbeat=settings.heartbeat,
@@ -191,13 +210,13 @@ def _recorder(
     *,
     program: str,
     log: FilteringBoundLogger,
-    lock: Lock,
+    session: ServerSession,
     hidden: tuple[str, ...],
 ) -> Recorder | NoHistory:
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
-    Session mode: the history goes over the lock session (one server session per run);
-    lease mode: over the connections of the attempt and of the release.
+    Its calls go over the run's session (session mode: the one server session of the run;
+    lease mode: the connections of the attempt and of the release).
     """
     from pathlib import Path
 
@@ -236,7 +255,7 @@ def _recorder(
             environ=hook_environ,
             secrets=hidden,
         )
-        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
+        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, session, log))
     return recorder.Recorder(
         target,
         identity,
@@ -247,17 +266,17 @@ def _recorder(
         log=log,
         environ=hook_environ,
         secrets=hidden,
-        shared=lock.shared(),
+        session=session,
     )
 
 
 def _pause_check(
-    settings: Settings, target: db.Target, lock: Lock, log: FilteringBoundLogger
+    settings: Settings, target: db.Target, session: ServerSession, log: FilteringBoundLogger
 ) -> Callable[[], dict[str, object] | None]:
     """Without history, the pause check: a statement of its own, after the lock is taken.
 
     Session mode: one more round trip on the lock session; lease mode: one more round trip
-    on the connection that took the lease (lent to it, as to the history).
+    on the connection that took the lease (as the history's calls).
     """
     from jobrun import sql
     from jobrun.history import calls, recorder
@@ -267,7 +286,7 @@ def _pause_check(
         app_name="jobrun-pause-check",
         timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
         log=log,
-        shared=lock.shared(),
+        session=session,
         # --no-history: no pause table, no pause; never create the schema for it.
         create_schema=False,
     )

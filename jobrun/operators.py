@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from jobrun.history.recorder import Recorder
     from jobrun.listeners import Listener
     from jobrun.locks import Identity, Lock
+    from jobrun.session import ServerSession
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ def listeners(
     *,
     target: db.Target,
     lock: Lock,
+    session: ServerSession,
     identity: Identity,
     recorder: Recorder | NoHistory,
     log: FilteringBoundLogger,
@@ -108,5 +110,5 @@ def listeners(
     if options.fence:
         from jobrun import fence  # noqa: PLC0415 - only with --fence
 
-        found.append(fence.Fence(target, lock, log=log))
+        found.append(fence.Fence(target, lock, session, log=log))
     return found

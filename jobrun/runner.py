@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from jobrun.listeners import Listener, Recorder
     from jobrun.locks import Identity, Lock
+    from jobrun.session import ServerSession
     from jobrun.waiting import WaitReporter
 
 
@@ -91,6 +92,7 @@ def run(
     job: Job,
     *,
     lock: Lock,
+    session: ServerSession,
     identity: Identity,
     environ: Mapping[str, str],
     log: FilteringBoundLogger,
@@ -100,13 +102,17 @@ def run(
 ) -> int:
     """Run ``job`` under ``lock``; every path logs its outcome and returns an exit status.
 
+    ``session`` is the run's one server session (the lock's, the history's, the fence's):
+    closed here once the lock is released.
+
     ``history`` is asked before the child starts (``--once-per``, a pause) and hears of
     each step first, then ``listeners`` (``--keep-output``, ``--ping``, ``--fence``) in
     their order; ``waiting`` (``--wait``) says lines while the lock is waited for.
     """
     told = Listeners([HistoryListener(history), *listeners])
     guarded = _GuardedRun(job, lock, identity, environ, log)
-    guarded.history, guarded.listeners, guarded.waiting = history, told, waiting
+    guarded.session, guarded.history, guarded.listeners = session, history, told
+    guarded.waiting = waiting
     status = int(Exit.INTERNAL)  # unless a status comes back: a bug in jobrun
     try:
         with _interruptible():
@@ -143,6 +149,7 @@ class _GuardedRun:
             environ,
             log,
         )
+        self.session: ServerSession
         self.history: Recorder
         self.listeners: Listeners
         self.waiting: WaitReporter | None = None
@@ -158,6 +165,7 @@ class _GuardedRun:
             # A TLS failure is no outage: the child never runs without its lock then.
             unguarded = job.on_db_error == "run" and not exc.fails_closed
             self._unavailable(exc, ends_run=not unguarded, running_unguarded=unguarded)
+            self.session.close()
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
@@ -169,8 +177,8 @@ class _GuardedRun:
             finally:
                 # The skip's row went over the lock session; a herd of skips must not keep
                 # their sessions a moment longer (nothing is held: this only closes it).
-                self.lock.release()
-        slot = self.lock.slot_taken()
+                self._release()
+        slot = self.lock.slot
         if slot is not None:
             # The history knows the run by its slot's lock id: a run in another slot of the
             # key is alive, not abandoned.
@@ -182,13 +190,20 @@ class _GuardedRun:
                 try:
                     self.status = self._run_held(child_mask)
                 finally:
-                    self.lock.release()
+                    self._release()
         except BaseException:
             # A signal in the instant between the acquisition and signals_held(): no lock
             # may be left behind (a lease would otherwise stay taken until its TTL).
-            self.lock.release()
+            self._release()
             raise
         return self.status
+
+    def _release(self) -> None:
+        """Give the lock back, then close the run's session (session mode: the lock's)."""
+        try:
+            self.lock.release()
+        finally:
+            self.session.close()
 
     def _run_held(self, child_mask: frozenset[int]) -> int:
         """With the lock taken: consult the history, then run the child, watched throughout."""
@@ -197,6 +212,7 @@ class _GuardedRun:
         # from starting at all (another run may already have it).
         watchdog = Watchdog(
             self.lock,
+            self.session,
             interval=self.job.heartbeat,
             confirmed_at=self.lock.confirmed_at,
             wake=supervise.wake_main_thread(),
@@ -209,7 +225,7 @@ class _GuardedRun:
                 return refused
             # Lease mode: the attempt's connection carried the history's start (and a skip
             # row): nothing is held while the child runs.
-            self.lock.end_loan()
+            self.session.rest()
             return self._run_child(child_mask, watchdog, self.listeners)
         finally:
             watchdog.stop()
@@ -245,7 +261,7 @@ class _GuardedRun:
     ) -> int:
         """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded)."""
         job, log, guarded = self.job, self.log, watchdog is not None
-        slot = self.lock.slot_taken()
+        slot = self.lock.slot
         env = child_environment(
             self.environ, job, self.identity.run_id, slot=None if slot is None else slot[0]
         )
@@ -262,7 +278,7 @@ class _GuardedRun:
             child = supervise.spawn(job.argv, env, child_mask, stdio=listeners.stdio())
         except supervise.ExecFailed as exc:
             log.error(exc.event, error=str(exc), exit_code=exc.exit_code, command=job.argv[0])
-            self._lend_for_the_end(guarded=guarded)
+            self._resume_for_the_end(guarded=guarded)
             listeners.not_started("exec_failed", exc.exit_code)
             return exc.exit_code
         try:
@@ -282,7 +298,7 @@ class _GuardedRun:
             _log_finished(ending, outcome, status, log)
             held = guarded and job.min_hold and outcome != "lock_lost"
             hold_until = started + job.min_hold if held and job.min_hold else None
-            self._lend_for_the_end(guarded=guarded, hold_until=hold_until)
+            self._resume_for_the_end(guarded=guarded, hold_until=hold_until)
             listeners.finished(outcome, status, ending.signal_name, ending.duration)
             if hold_until is not None:
                 _hold(hold_until, log)
@@ -297,7 +313,7 @@ class _GuardedRun:
     def _not_started(self, listeners: Listeners, reason: str) -> int:
         """The lock is gone before the child could start: it never does."""
         self.log.error("lock_lost", reason=reason, action="not_started")
-        self._lend_for_the_end(guarded=True)
+        self._resume_for_the_end(guarded=True)
         listeners.not_started("lock_lost", int(Exit.LOCK_LOST))
         return int(Exit.LOCK_LOST)
 
@@ -311,14 +327,14 @@ class _GuardedRun:
             **({"exit_code": exc.exit_code} if ends_run else {}),
         )
 
-    def _lend_for_the_end(self, *, guarded: bool, hold_until: float | None = None) -> None:
+    def _resume_for_the_end(self, *, guarded: bool, hold_until: float | None = None) -> None:
         """Lease mode: the release's connection, opened now, carries the end row too.
 
         Not when unguarded (no lock), nor across a ``--min-hold`` still to come: nothing is
-        held open while we wait. Session mode: nothing to do (the lock session is lent).
+        held open while we wait. Session mode: nothing to do (the session never rested).
         """
         if guarded and (hold_until is None or hold_until <= time.monotonic()):
-            self.lock.lend()
+            self.session.resume()
 
 
 def _outcome(ending: supervise.Ending) -> tuple[str, int]:
