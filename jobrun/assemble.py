@@ -237,10 +237,7 @@ def _recorder(
         metrics_file=settings.metrics_file,
         expect_every=settings.expect_every,
         expect_grace=settings.expect_grace,
-        # WARNING: a history call holds the lock session (and so the heartbeat) up: its
-        # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
-        # in lease mode it must never outlast half of what a renewal vouches for.
-        timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
+        timeout=_history_timeout(settings),
     )
     # The hook's environment: without jobrun's own secrets, as the child's.
     hook_environ = masking.passed_on(os.environ, settings.pass_env)
@@ -284,7 +281,7 @@ def _pause_check(
     checker = calls.Calls(
         target,
         app_name="jobrun-pause-check",
-        timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
+        timeout=_history_timeout(settings),
         log=log,
         session=session,
         # --no-history: no pause table, no pause; never create the schema for it.
@@ -300,6 +297,18 @@ def _pause_check(
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 
     return check
+
+
+def _history_timeout(settings: Settings) -> float:
+    """Longest one history call (or pause check) may take.
+
+    WARNING: a call holds the lock session (and so the heartbeat) up: its timeout plus one
+    heartbeat stays within the session's 10 s confirmation lifetime; in lease mode it must
+    never outlast half of what a renewal vouches for.
+    """
+    from jobrun.history.config import CALL_TIMEOUT
+
+    return min(CALL_TIMEOUT, settings.lifetime / 2) if settings.mode == "lease" else CALL_TIMEOUT
 
 
 def _waiting(

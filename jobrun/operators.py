@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 class Options:
     """The operators' options of a run, checked."""
 
-    ping_url: str | None = None
-    ping_timeout: float = 5.0
-    keep_output: int = 0
-    fence: bool = False
-    history: bool = True
+    ping_url: str | None
+    ping_timeout: float
+    #: Bytes of each stream's tail to keep (0: none).
+    keep_output: int
+    fence: bool
+    history: bool
 
 
 def validate(

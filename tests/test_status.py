@@ -23,10 +23,10 @@ from jobrun.cli.ops import (
     status_command,
 )
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
-from jobrun.history.config import HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
 from support import jobrun_cli
+from support.history import history_config
 from support.jobrun_cli import wait_for_file
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def record(dsn, key, tmp_path) -> Iterator[Callable[..., Recorder]]:
             keys.resolve((label,), ()),
             mode="session",
             program="job",
-            config=HistoryConfig(alert_after=0),
+            config=history_config(alert_after=0),
             log=logger,
         )
 

@@ -45,7 +45,7 @@ class LeaseTiming:
     kill_after: float
     heartbeat: float
     #: Whether the heartbeat was given (the error message then names --heartbeat).
-    heartbeat_given: bool = True
+    heartbeat_given: bool
 
     @classmethod
     def from_options(cls, *, ttl: float, kill_after: float, heartbeat: float | None) -> LeaseTiming:

@@ -15,7 +15,7 @@ from psycopg.rows import dict_row
 
 from jobrun import db, keys, log
 from jobrun.history.calls import ensure_schema
-from jobrun.history.config import HistoryConfig
+from jobrun.history.config import CALL_TIMEOUT, HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
 from jobrun.session import ServerSession
@@ -51,6 +51,24 @@ def captured(tmp_path) -> Iterator[Captured]:
     capture = Captured(tmp_path / "events.jsonl")
     yield capture
     capture.close()
+
+
+#: A run's history settings as the run command's defaults make them.
+PLAIN_RUN = {
+    "keep": 100,
+    "alert_after": 3,
+    "alert_repeat": 3600.0,
+    "on_alert": None,
+    "metrics_file": None,
+    "timeout": CALL_TIMEOUT,
+    "expect_every": None,
+    "expect_grace": None,
+}
+
+
+def history_config(**values: Any) -> HistoryConfig:
+    """A plain run's HistoryConfig, with ``values`` in place of its own."""
+    return HistoryConfig(**{**PLAIN_RUN, **values})
 
 
 def lock_session(conn: psycopg.Connection[Any], target: db.Target) -> ServerSession:
@@ -105,7 +123,7 @@ def make_recorder(dsn, key, captured) -> Callable[..., Run]:
             run_keys,
             mode=mode,
             program=program,
-            config=config or HistoryConfig(),
+            config=config or history_config(),
             # As the CLI does: every line names the run.
             log=captured.log.bind(run_id=identity.run_id, host=host, pid=pid),
             environ=environ,
