@@ -334,7 +334,7 @@ class _GuardedRun:
         held open while we wait. Session mode: nothing to do (the session never rested).
         """
         if guarded and (hold_until is None or hold_until <= time.monotonic()):
-            self.session.resume()
+            self.session.resume(self.log)
 
 
 def _outcome(ending: supervise.Ending) -> tuple[str, int]:

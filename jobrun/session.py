@@ -16,6 +16,8 @@ from jobrun.exitcodes import LockStoreUnavailable
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from structlog.typing import FilteringBoundLogger
+
     Connection = psycopg.Connection[Any]
 
 #: A use of the session with no answer this long after its own bound: the network is silent
@@ -141,15 +143,17 @@ class ServerSession:
         if not self.held:
             self.close()
 
-    def resume(self) -> None:
+    def resume(self, log: FilteringBoundLogger) -> None:
         """Lease mode: open the connection for the run's last statements. Never raises.
 
         Without it, the end row and the release connect on their own.
         """
         if self.held or not self.lends:
             return
-        with contextlib.suppress(psycopg.Error, LockStoreUnavailable):
+        try:
             self.open()
+        except (psycopg.Error, LockStoreUnavailable) as exc:
+            log.debug("loan_failed", error=db.one_line(exc, self.target))
 
     def close(self) -> None:
         """Close the connection, if open (the server frees a session's locks with it)."""
