@@ -110,9 +110,7 @@ def run(
     their order; ``waiting`` (``--wait``) says lines while the lock is waited for.
     """
     told = Listeners([HistoryListener(history), *listeners])
-    guarded = _GuardedRun(job, lock, identity, environ, log)
-    guarded.session, guarded.history, guarded.listeners = session, history, told
-    guarded.waiting = waiting
+    guarded = _GuardedRun(job, lock, session, identity, environ, log, history, told, waiting)
     status = int(Exit.INTERNAL)  # unless a status comes back: a bug in jobrun
     try:
         with _interruptible():
@@ -131,30 +129,21 @@ def run(
     return status
 
 
+@dataclass
 class _GuardedRun:
-    """The steps of one run, sharing the job, the lock, the log and the listeners."""
+    """The steps of one run, sharing its job, lock, session, log and listeners."""
 
-    def __init__(
-        self,
-        job: Job,
-        lock: Lock,
-        identity: Identity,
-        environ: Mapping[str, str],
-        log: FilteringBoundLogger,
-    ) -> None:
-        self.job, self.lock, self.identity, self.environ, self.log = (
-            job,
-            lock,
-            identity,
-            environ,
-            log,
-        )
-        self.session: ServerSession
-        self.history: Recorder
-        self.listeners: Listeners
-        self.waiting: WaitReporter | None = None
-        #: jobrun's exit status, once the run is over.
-        self.status: int | None = None
+    job: Job
+    lock: Lock
+    session: ServerSession
+    identity: Identity
+    environ: Mapping[str, str]
+    log: FilteringBoundLogger
+    history: Recorder
+    listeners: Listeners
+    waiting: WaitReporter | None
+    #: jobrun's exit status, once the run is over.
+    status: int | None = None
 
     def run(self) -> int:
         job = self.job

@@ -60,8 +60,8 @@ class ServerSession:
         self.comment = comment
         self._conn: Connection | None = None
         self._turn = threading.Lock()
-        #: The monotonic time by which the use in progress must be over (None: unbounded).
-        self._deadline: float | None = None
+        #: By when each bounded use (in progress or waiting for its turn) must be over.
+        self._deadlines: dict[object, float] = {}
         self._guard: threading.Thread | None = None
         self._changed = threading.Condition()
 
@@ -89,20 +89,21 @@ class ServerSession:
         """The connection for one use (None: there is none), after any other use is over.
 
         WARNING: each use must end its own transaction (one message of a few statements, as
-        ``history.calls`` sends). ``bound``: seconds after which a use with no answer cuts the
-        socket (a silent network, where nothing else would ever end the wait); every other
-        use is then refused with a broken connection, as it must be: the lock is gone.
+        ``history.calls`` sends). ``bound``: seconds, counted from now (the wait for the turn
+        included), after which a use with no answer cuts the socket: on a silent network
+        nothing else would ever end the wait, neither this use's nor the one it waits
+        behind. Every use after the cut finds the connection broken, as it must: the lock
+        went with it.
         """
-        with self._turn:
-            conn = self.connection()
-            if conn is None or bound is None:
-                yield conn
-                return
-            self._arm(time.monotonic() + bound)
-            try:
-                yield conn
-            finally:
-                self._arm(None)
+        token = object()
+        if bound is not None:
+            self._arm(token, time.monotonic() + bound)
+        try:
+            with self._turn:
+                yield self.connection()
+        finally:
+            if bound is not None:
+                self._arm(token, None)
 
     def busy(self) -> bool:
         """Whether a use is in progress (its answer is then being read by it, not by us)."""
@@ -161,23 +162,26 @@ class ServerSession:
         if conn is not None:
             conn.close()
 
-    def _arm(self, deadline: float | None) -> None:
+    def _arm(self, token: object, deadline: float | None) -> None:
         with self._changed:
-            self._deadline = deadline
+            if deadline is None:
+                self._deadlines.pop(token, None)
+            else:
+                self._deadlines[token] = deadline
             self._changed.notify()
         if deadline is not None and self._guard is None:
-            # One daemon thread for the whole run, asleep but for a use past its bound.
+            # One daemon thread for the whole run, asleep but while a bounded use is on.
             self._guard = threading.Thread(target=self._watch, name="jobrun-session", daemon=True)
             self._guard.start()
 
     def _watch(self) -> None:
         while True:
             with self._changed:
-                while self._deadline is None:
+                while not self._deadlines:
                     self._changed.wait()
-                remaining = self._deadline - time.monotonic()
+                remaining = min(self._deadlines.values()) - time.monotonic()
                 if remaining > 0:
                     self._changed.wait(remaining)
                     continue
-                self._deadline = None
+                self._deadlines.clear()  # each use past its bound fails with the cut
             self.cut()
