@@ -168,17 +168,20 @@ class ServerSession:
                 self._deadlines.pop(token, None)
             else:
                 self._deadlines[token] = deadline
+                if self._guard is None:
+                    # One guard at a time, awake only while a bounded use is on.
+                    self._guard = threading.Thread(
+                        target=self._watch, name="jobrun-session", daemon=True
+                    )
+                    self._guard.start()
             self._changed.notify()
-        if deadline is not None and self._guard is None:
-            # One daemon thread for the whole run, asleep but while a bounded use is on.
-            self._guard = threading.Thread(target=self._watch, name="jobrun-session", daemon=True)
-            self._guard.start()
 
     def _watch(self) -> None:
         while True:
             with self._changed:
-                while not self._deadlines:
-                    self._changed.wait()
+                if not self._deadlines:
+                    self._guard = None
+                    return
                 remaining = min(self._deadlines.values()) - time.monotonic()
                 if remaining > 0:
                     self._changed.wait(remaining)
