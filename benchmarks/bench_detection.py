@@ -30,6 +30,7 @@ import structlog
 from jobrun import db, keys
 from jobrun.locks import Identity
 from jobrun.locks.lease import LeaseLock
+from jobrun.session import ServerSession
 from jobrun.testing.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,8 +108,9 @@ def lease_latency(dsn: str, runs: int) -> tuple[list[float], list[float]]:
     for _ in range(runs):
         key = keys.from_name(f"bench-lease-{uuid.uuid4().hex[:8]}")
         lock = LeaseLock(
-            (key,), target, Identity(run_id=str(uuid.uuid4()), pid=os.getpid()), log,
-            ttl=30, lifetime=17,
+            (key,), ServerSession(target, app_name="jobrun:bench", held=False, lends=False),
+            Identity(run_id=str(uuid.uuid4()), pid=os.getpid()), log,
+            ttl=30, lifetime=17, heartbeat=1.0,
         )  # fmt: skip
         t = time.perf_counter()
         if lock.acquire(0) is not None:

@@ -24,6 +24,7 @@ from jobrun import db, keys
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.lease import LeaseLock
+from jobrun.session import ServerSession
 
 
 def holder(
@@ -57,8 +58,9 @@ def main() -> None:
     for i in range(args.leases):
         key = keys.from_name(f"bench-scale-{i}-{uuid.uuid4().hex[:6]}")
         lock = LeaseLock(
-            (key,), target, Identity(run_id=new_run_id(), pid=os.getpid()), log,
-            ttl=30, lifetime=17,
+            (key,), ServerSession(target, app_name="jobrun:bench", held=False, lends=False),
+            Identity(run_id=new_run_id(), pid=os.getpid()), log,
+            ttl=30, lifetime=17, heartbeat=1.0,
         )  # fmt: skip
         if lock.acquire(0) is not None:
             raise SystemExit(f"lease {i} was held by someone else")

@@ -7,37 +7,39 @@ from typing import TYPE_CHECKING
 from psycopg import errors
 
 from jobrun import db, sql
+from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.listeners import Listener
 
 if TYPE_CHECKING:
     import psycopg
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.history.calls import SharedSession
     from jobrun.locks import Lock
+    from jobrun.session import ServerSession
 
 #: The variable the child reads its token from. Not ``JOBRUN_FENCE``: that is --fence's own
 #: variable, and a jobrun inside the child would read the token as the flag.
 ENV = "JOBRUN_FENCE_TOKEN"
 
 
-def take(target: db.Target, *, app_name: str, shared: SharedSession | None = None) -> int:
+def take(target: db.Target, *, app_name: str, session: ServerSession | None = None) -> int:
     """The next value of ``jobrun.fence`` (created on first use); LockStoreUnavailable if not.
 
     One sequence serves every key: tokens of one key are then increasing too, and a token
-    means the same thing whichever lock mode or host took it. With ``shared`` (session mode)
-    the token is taken on the lock session, so a run stays one server session; only the
-    very first token of a database (the sequence does not exist yet) takes a short
-    connection of its own to create it.
+    means the same thing whichever lock mode or host took it. On the run's ``session`` while
+    it is open (session mode: the lock session, so a run stays one server session); only
+    the very first token of a database (the sequence does not exist yet) takes a short
+    connection of its own to create it, as a lease run does (its session is closed by now).
     """
-    conn = shared.connection() if shared is not None else None
-    if shared is not None and conn is not None and not conn.closed and not conn.broken:
-        with db.translate_errors(target, "taking a fencing token"):
-            try:
-                # One autocommit statement, with the holder's comment as every statement
-                # on the lock session (a skipping run reads who holds the key from it).
-                return _next(conn, prefix=shared.comment)
-            except (errors.UndefinedTable, errors.InvalidSchemaName):
-                pass  # created below, on a connection of its own
+    if session is not None:
+        with session.use() as conn, db.translate_errors(target, "taking a fencing token"):
+            if conn is not None:
+                try:
+                    # One autocommit statement, with the holder's comment as every statement
+                    # on the lock session (a skipping run reads who holds the key from it).
+                    return _next(conn, prefix=session.comment)
+                except (errors.UndefinedTable, errors.InvalidSchemaName):
+                    pass  # created below, on a connection of its own
     with (
         db.connect(target, app_name=app_name) as conn,
         db.translate_errors(target, "taking a fencing token"),
@@ -49,7 +51,14 @@ def take(target: db.Target, *, app_name: str, shared: SharedSession | None = Non
             return _next(conn)
 
 
-def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLogger) -> int:
+def issue(
+    target: db.Target,
+    lock: Lock,
+    *,
+    app_name: str,
+    log: FilteringBoundLogger,
+    session: ServerSession | None = None,
+) -> int:
     """A token taken while ``lock`` is provably held: take it, then confirm the lock.
 
     WARNING: the order matters. A token taken after the lock was lost (a lease that expired
@@ -60,15 +69,43 @@ def issue(target: db.Target, lock: Lock, *, app_name: str, log: FilteringBoundLo
     LockLost or LockStoreUnavailable when that proof cannot be had (the child must then
     not start).
     """
-    # Over the lock session where there is one all along (session mode, slots included);
-    # a lease's loan is closed by now (nothing is held open while the child runs).
-    shared = lock.shared()
-    token = take(
-        target, app_name=app_name, shared=None if shared is None or shared.intermittent else shared
-    )
+    token = take(target, app_name=app_name, session=session)
     lock.check()
     log.info("fence_taken", fence=token)
     return token
+
+
+class Fence(Listener):
+    """``--fence`` as a run's listener: the child's JOBRUN_FENCE_TOKEN, taken while locked."""
+
+    #: A run without its lock has no token to give (the options refuse the pair).
+    unguarded_too = False
+
+    def __init__(
+        self, target: db.Target, lock: Lock, session: ServerSession, *, log: FilteringBoundLogger
+    ) -> None:
+        self._target = target
+        self._lock = lock
+        self._session = session
+        self._log = log
+
+    def preparing(self, env: dict[str, str]) -> int | None:
+        """Add the token; without one the child never starts (LockLost raised as such)."""
+        try:
+            token = issue(
+                self._target,
+                self._lock,
+                app_name="jobrun-fence",
+                log=self._log,
+                session=self._session,
+            )
+        except LockStoreUnavailable as exc:
+            self._log.error(
+                exc.event, reason=exc.reason, error=str(exc), fence=True, exit_code=exc.exit_code
+            )
+            return exc.exit_code
+        env[ENV] = str(token)
+        return None
 
 
 def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:

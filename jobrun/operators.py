@@ -1,4 +1,4 @@
-"""Wires --ping, --keep-output and --fence into one run: check them, build them, finish them."""
+"""--ping, --keep-output and --fence of one run: checked together, built as its listeners."""
 
 from __future__ import annotations
 
@@ -6,27 +6,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
+    from jobrun.listeners import Listener
     from jobrun.locks import Identity, Lock
-    from jobrun.ping import Pinger
-    from jobrun.tail import Capture
+    from jobrun.session import ServerSession
 
 
 @dataclass(frozen=True)
 class Options:
     """The operators' options of a run, checked."""
 
-    ping_url: str | None = None
-    ping_timeout: float = 5.0
-    keep_output: int = 0
-    fence: bool = False
-    history: bool = True
+    ping_url: str | None
+    ping_timeout: float
+    #: Bytes of each stream's tail to keep (0: none).
+    keep_output: int
+    fence: bool
+    history: bool
 
 
 def validate(
@@ -64,62 +63,44 @@ def validate(
     )
 
 
-class Extras:
-    """The collaborators the runner takes for one run, and what follows the release."""
+def listeners(
+    options: Options,
+    *,
+    target: db.Target,
+    lock: Lock,
+    session: ServerSession,
+    identity: Identity,
+    recorder: Recorder | NoHistory,
+    log: FilteringBoundLogger,
+    hidden: tuple[str, ...] = (),
+) -> list[Listener]:
+    """The listeners of a run's options, in the order they must hear of its steps.
 
-    def __init__(
-        self,
-        options: Options,
-        *,
-        target: db.Target,
-        lock: Lock,
-        identity: Identity,
-        recorder: Recorder | NoHistory,
-        log: FilteringBoundLogger,
-        hidden: tuple[str, ...] = (),
-    ) -> None:
-        self._options = options
-        self._target = target
-        self._run_id = identity.run_id
-        self._log = log
-        self.pinger: Pinger | None = None
-        self.capture: Capture | None = None
-        self.fencer: Callable[[], int] | None = None
-        if options.ping_url:
-            from jobrun import ping  # noqa: PLC0415 - only with --ping
+    The kept output before the end ping (which sends its tails); the fencing token last,
+    right before the child starts.
+    """
+    found: list[Listener] = []
+    capture = None
+    if options.keep_output:
+        from jobrun import tail  # noqa: PLC0415 - only with --keep-output
+        from jobrun.masking import Masker  # noqa: PLC0415
 
-            self.pinger = ping.Pinger(
-                options.ping_url, identity.run_id, timeout=options.ping_timeout, log=log
-            )
-        if options.keep_output:
-            from jobrun import tail  # noqa: PLC0415 - only with --keep-output
-            from jobrun.masking import Masker  # noqa: PLC0415
+        # Masked as kept: the tails go to the history, the end ping and the hook.
+        capture = tail.Capture(options.keep_output, masker=Masker(hidden))
+        if recorder.notifier is not None:
+            recorder.notifier.output = capture  # the alert hook's event: the tails
+        found.append(
+            tail.KeptOutput(capture, target, identity.run_id, history=options.history, log=log)
+        )
+    if options.ping_url:
+        from jobrun import ping  # noqa: PLC0415 - only with --ping
 
-            # Masked as kept: the tails go to the history, the end ping and the hook.
-            self.capture = tail.Capture(options.keep_output, masker=Masker(hidden))
-            if recorder.notifier is not None:
-                recorder.notifier.output = self.capture  # the alert hook's event: the tails
-        if options.fence:
-            from jobrun import fence  # noqa: PLC0415 - only with --fence
+        pinger = ping.Pinger(
+            options.ping_url, identity.run_id, timeout=options.ping_timeout, log=log
+        )
+        found.append(ping.PingListener(pinger, capture))
+    if options.fence:
+        from jobrun import fence  # noqa: PLC0415 - only with --fence
 
-            def fencer() -> int:
-                return fence.issue(target, lock, app_name="jobrun-fence", log=log)
-
-            self.fencer = fencer
-
-    def after(self, status: int) -> None:
-        """After the release: keep a failed run's output, then send the end ping.
-
-        Neither holds the lock; each is bounded (5 s for the output, --ping-timeout for the
-        ping) and neither changes ``status``.
-        """
-        capture = self.capture
-        used = capture is not None and capture.used
-        if capture is not None and used and status != 0 and self._options.history:
-            from jobrun import tail  # noqa: PLC0415 - loaded already with --keep-output
-
-            tail.store(self._target, self._run_id, capture, log=self._log)
-        if self.pinger is not None:
-            stdout = capture.stdout_tail if capture is not None and used else b""
-            stderr = capture.stderr_tail if capture is not None and used else b""
-            self.pinger.finish(status, stdout, stderr)
+        found.append(fence.Fence(target, lock, session, log=log))
+    return found

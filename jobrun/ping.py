@@ -11,12 +11,16 @@ from typing import TYPE_CHECKING
 
 from jobrun import __version__
 from jobrun.exitcodes import UsageError
+from jobrun.listeners import Listener
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from http.client import HTTPMessage
     from typing import IO
 
     from structlog.typing import FilteringBoundLogger
+
+    from jobrun.tail import Capture
 
 #: Default of ``--ping-timeout``: the longest one ping (all its attempts) may take.
 TIMEOUT = 5.0
@@ -249,6 +253,33 @@ class Pinger:
         except Exception as exc:  # noqa: BLE001 - whatever goes wrong, it is never the job's problem
             return _describe(exc, timeout)
         return False, None
+
+
+class PingListener(Listener):
+    """``--ping`` as a run's listener: start, skip and end pings (the end after the release)."""
+
+    def __init__(self, pinger: Pinger, capture: Capture | None) -> None:
+        self._pinger = pinger
+        #: ``--keep-output``: the end ping carries the tails.
+        self._capture = capture
+
+    def skipped(self, reason: str, fields: Mapping[str, object], exit_code: int) -> None:
+        """The end ping will say why the run skipped."""
+        del exit_code
+        self._pinger.skipped(reason, dict(fields))
+
+    def started(self, child_pid: int) -> None:
+        """The start ping (in the background: the child never waits for it)."""
+        del child_pid
+        self._pinger.start()
+
+    def released(self, status: int) -> None:
+        """The end ping, with the tails if output was kept; waits --ping-timeout at most."""
+        capture = self._capture
+        used = capture is not None and capture.used
+        stdout = capture.stdout_tail if capture is not None and used else b""
+        stderr = capture.stderr_tail if capture is not None and used else b""
+        self._pinger.finish(status, stdout, stderr)
 
 
 def origin(url: str) -> tuple[str, str, int | None]:

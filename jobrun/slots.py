@@ -8,10 +8,6 @@ from typing import TYPE_CHECKING
 from jobrun.keys import Key, lock_id_for
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    import psycopg
-
     from jobrun.locks import Holder, Lock
 
 #: The most slots a key may have (``status`` looks up this many lock ids per key).
@@ -39,7 +35,7 @@ def slot_keys(key: Key, slots: int) -> list[Key]:
 class SlotLock:
     """A ``Lock`` over the first free of several locks, each tried in slot order.
 
-    Each slot is a lock of the run's mode (its own session or lease); once one is taken,
+    Each slot is a lock of the run's mode on the run's one session; once one is taken,
     every call goes to it.
     """
 
@@ -59,35 +55,20 @@ class SlotLock:
         """The taken slot's (before: the first slot's)."""
         return self._lock.confirmation_lifetime
 
-    @confirmation_lifetime.setter
-    def confirmation_lifetime(self, value: float) -> None:
-        self._lock.confirmation_lifetime = value
-
     @property
     def confirmed_at(self) -> float:
         """When the taken slot's acquisition was confirmed."""
         return self._lock.confirmed_at
-
-    @confirmed_at.setter
-    def confirmed_at(self, value: float) -> None:
-        self._lock.confirmed_at = value
 
     @property
     def stop_request(self) -> dict[str, object] | None:
         """A ``jobrun stop`` request the taken slot's heartbeat read."""
         return self._lock.stop_request
 
-    @stop_request.setter
-    def stop_request(self, value: dict[str, object] | None) -> None:
-        self._lock.stop_request = value
-
-    #: Shared with the history in session mode only: the lock session is needed.
-    intermittent = False
-
     @property
-    def comment(self) -> str:
-        """The taken session lock's SQL comment (session mode: the history shares it)."""
-        return str(getattr(self._lock, "comment", ""))
+    def slot(self) -> tuple[int, int] | None:
+        """The slot taken and its lock id (None before ``acquire`` succeeded)."""
+        return self._slot
 
     def acquire(self, wait: float) -> Holder | None:
         """Take the first free slot, trying all of them until ``wait`` runs out."""
@@ -99,7 +80,6 @@ class SlotLock:
                 if found is None:
                     self._taken, self._slot = lock, (slot, self._lock_ids[slot])
                     return None
-                lock.end_loan()  # a busy slot's connection is no one's to use
                 holder = holder or found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -110,46 +90,11 @@ class SlotLock:
         """Check (or renew) the taken slot."""
         self._lock.check()
 
-    def pause(self, seconds: float, stop_fd: int) -> None:
-        """Wait as the taken slot's lock does."""
-        self._lock.pause(seconds, stop_fd)
-
-    def interrupt(self) -> None:
-        """Cut the taken slot's check short."""
-        self._lock.interrupt()
-
-    def shared(self) -> SlotLock | None:
-        """Itself, standing for the taken slot's session, when the slots lend theirs.
-
-        Session mode: the taken slot's lock session (the history goes over it). Lease mode:
-        None (the slots are tried one after another, so none lends its connections).
-        """
-        return self if self._lock.shared() is not None else None
-
-    def slot_taken(self) -> tuple[int, int] | None:
-        """The slot taken and its lock id (None before ``acquire`` succeeded)."""
-        return self._slot
-
-    def lend(self) -> None:
-        """Lend the taken slot's release connection (lease mode)."""
-        self._lock.lend()
-
-    def end_loan(self) -> None:
-        """Close what the taken slot lent to the history (lease mode)."""
-        self._lock.end_loan()
+    def known_lost(self) -> str | None:
+        """Whether the taken slot is known to be lost."""
+        return self._lock.known_lost()
 
     def release(self) -> None:
         """Release the taken slot (no other was kept)."""
         if self._taken is not None:
             self._taken.release()
-
-    def known_lost(self) -> str | None:
-        """Whether the taken slot is known to be lost."""
-        return self._lock.known_lost()
-
-    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
-        """The taken session lock's connection, for the history (session mode)."""
-        connection: Callable[[], psycopg.Connection[tuple[object, ...]] | None] | None = getattr(
-            self._lock, "connection", None
-        )
-        return connection() if connection is not None else None

@@ -11,6 +11,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from jobrun.exitcodes import UsageError
+from jobrun.listeners import Listener
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -251,6 +252,49 @@ def fields(capture: Capture, *, limit: int | None = None) -> dict[str, str]:
     if limit is not None:
         out, err = out[-limit:], err[-limit:]
     return {"stdout_tail": text(out), "stderr_tail": text(err)}
+
+
+class KeptOutput(Listener):
+    """``--keep-output`` as a run's listener: the child's pipes, then a failed run's tails."""
+
+    def __init__(
+        self,
+        capture: Capture,
+        target: db.Target,
+        run_id: str,
+        *,
+        history: bool,
+        log: FilteringBoundLogger,
+    ) -> None:
+        self._capture = capture
+        self._target = target
+        self._run_id = run_id
+        #: False (``--no-history``): the tails go only to the end ping.
+        self._history = history
+        self._log = log
+
+    def stdio(self) -> tuple[int, int]:
+        """The pipes' write ends, for the child."""
+        return self._capture.child_fds()
+
+    def not_started(self, outcome: str, exit_code: int) -> None:
+        """No child: close the pipes (if they were opened)."""
+        del outcome, exit_code
+        self._capture.close()
+
+    def started(self, child_pid: int) -> None:
+        """Start copying what the child writes."""
+        del child_pid
+        self._capture.begin()
+
+    def exited(self) -> None:
+        """The child's group is gone: read the pipes to their end."""
+        self._capture.finish()
+
+    def released(self, status: int) -> None:
+        """A failed run's tails into its history row (bounded: STORE_TIMEOUT)."""
+        if self._capture.used and status != 0 and self._history:
+            store(self._target, self._run_id, self._capture, log=self._log)
 
 
 # --- the history ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.locks import Lock
+    from jobrun.session import ServerSession
 
 
 class Watchdog:
@@ -30,6 +31,7 @@ class Watchdog:
     def __init__(
         self,
         lock: Lock,
+        session: ServerSession,
         *,
         interval: float,
         confirmed_at: float,
@@ -37,6 +39,8 @@ class Watchdog:
         log: FilteringBoundLogger,
     ) -> None:
         self._lock = lock
+        #: The run's session: waited on between checks, cut when a check hangs at the end.
+        self._session = session
         self._interval = interval
         self._wake = wake
         self._log = log
@@ -58,7 +62,8 @@ class Watchdog:
         os.write(self._stop_w, b"x")
         self._thread.join(timeout=1.0)
         if self._thread.is_alive():
-            self._lock.interrupt()
+            if self._session.held:  # a lease's renewal has a connection of its own
+                self._session.cut()
             self._thread.join(timeout=2.0)
         os.close(self._stop_w)
         if not self._thread.is_alive():
@@ -84,7 +89,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         failures = 0
-        self._lock.pause(self._first_check - time.monotonic(), self._stop_r)
+        self._session.pause(self._first_check - time.monotonic(), self._stop_r)
         while not self._stopping():
             sent = time.monotonic()
             try:
@@ -98,7 +103,7 @@ class Watchdog:
                 failures += 1
                 self._log.warning("heartbeat_failed", error=str(exc), failures=failures)
                 # Retry sooner: the confirmation is running out.
-                self._lock.pause(self._interval / 2, self._stop_r)
+                self._session.pause(self._interval / 2, self._stop_r)
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken heartbeat must stop the job
                 self.lost = f"heartbeat crashed: {type(exc).__name__}: {exc}"
@@ -112,4 +117,4 @@ class Watchdog:
             if self._lock.stop_request is not None and self.stop_request is None:
                 self.stop_request = self._lock.stop_request
                 self._wake()
-            self._lock.pause(sent + self._interval - time.monotonic(), self._stop_r)
+            self._session.pause(sent + self._interval - time.monotonic(), self._stop_r)

@@ -21,6 +21,7 @@ from jobrun.db import connecting
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import SessionLock
+from jobrun.session import ServerSession
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event
 from jobrun.testing.pgtools import server_major
@@ -411,16 +412,18 @@ KILL_AFTER = 10.0
 def lock_socket(dsn, pg_address, key) -> Iterator[tuple[SessionLock, db.Target, socket.socket]]:
     """A run's lock session over TCP holding ``key``: the lock, its Target, its socket."""
     target = db.Target(dsn=over_tcp(dsn, pg_address))
+    session = ServerSession(target, app_name="jobrun:test", held=True)
     lock = SessionLock(
         (keys.from_name(key),),
-        target,
+        session,
         Identity(run_id=new_run_id(), pid=os.getpid()),
         structlog.get_logger(),
+        heartbeat=1.0,
         kill_after=KILL_AFTER,
     )
     assert lock.acquire(0) is None
     try:
-        conn = lock._conn  # noqa: SLF001 - the session's socket is only reachable through it
+        conn = session.connection()
         assert conn is not None
         # getsockopt on a duplicate descriptor reads the options of the very same socket.
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
@@ -428,6 +431,7 @@ def lock_socket(dsn, pg_address, key) -> Iterator[tuple[SessionLock, db.Target, 
             yield lock, target, sock
     finally:
         lock.release()
+        session.close()
 
 
 class TestClientKeepalives:

@@ -18,6 +18,7 @@ import structlog
 from jobrun import db, keys
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
+from jobrun.session import ServerSession
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 from support.history import rows_of
@@ -653,16 +654,18 @@ class TestSessionSettings:
     def test_server_side_keepalives_outlast_our_own_kill_deadline(self, dsn, key):
         """The server drops a vanished host's session, but only after we would have killed
         the child: keepalive idle > confirmation lifetime + kill-after."""
+        session = ServerSession(db.Target(dsn=dsn), app_name="jobrun:test", held=True)
         lock = SessionLock(
             (keys.from_name(key),),
-            db.Target(dsn=dsn),
+            session,
             Identity(run_id=new_run_id(), pid=1),
             structlog.get_logger(),
+            heartbeat=1.0,
             kill_after=7.0,
         )
         assert lock.acquire(0) is None
         try:
-            conn = lock._conn  # noqa: SLF001 - the session's own settings are only visible on it
+            conn = session.connection()
             assert conn is not None
             shown = {
                 name: conn.execute(f"SHOW {name}").fetchone()[0]
@@ -676,6 +679,7 @@ class TestSessionSettings:
             }
         finally:
             lock.release()
+            session.close()
         if shown["tcp_keepalives_idle"] != "0":  # 0 on a unix socket: nothing to set there
             assert int(shown["tcp_keepalives_idle"].rstrip("s")) > lock.confirmation_lifetime + 7
         assert shown["idle_session_timeout"] == "0"

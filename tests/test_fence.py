@@ -85,9 +85,6 @@ class TestTake:
                     row = conn.execute("SELECT last_value FROM jobrun.fence").fetchone()
                 seen.append(row[0] if row else 0)
 
-            def shared(self) -> None:
-                """Lends nothing: the token takes a connection of its own."""
-
         token = fence.issue(target, Checked(), app_name="test", log=_log())  # type: ignore[arg-type]
         assert seen == [token]
 

@@ -15,10 +15,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun import alerts
 from jobrun.exitcodes import UsageError
-from jobrun.history.config import HistoryConfig, iso
+from jobrun.history.config import iso
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import wait_until
-from support.history import Run, holder, hook, hook_calls, rows_of
+from support.history import Run, history_config, holder, hook, hook_calls, rows_of
 
 
 def age_alerts(dsn: str, label: str, *, hours: int) -> None:
@@ -39,7 +39,7 @@ class TestSkipStreak:
     ):
         """Two skips: nothing. The third: skip_streak at error level and the hook's stdin."""
         calls = tmp_path / "calls"
-        config = HistoryConfig(alert_after=3, on_alert=hook(calls))
+        config = history_config(alert_after=3, on_alert=hook(calls))
         blocker = str(uuid.uuid4())
         for _ in range(2):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -67,7 +67,7 @@ class TestSkipStreak:
 
     def test_a_streak_alerts_at_n_and_not_again_within_the_repeat(self, make_recorder, captured):
         """Skips 4 and 5 of a streak that alerted at 3 stay quiet (a stuck night is one page)."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         blocker = str(uuid.uuid4())
         for _ in range(5):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -75,7 +75,7 @@ class TestSkipStreak:
 
     def test_the_reminder_comes_once_the_repeat_has_passed(self, dsn, make_recorder, captured):
         """Once --alert-repeat has passed since the last alert, the next skip alerts again."""
-        config = HistoryConfig(alert_after=3, alert_repeat=3600)
+        config = history_config(alert_after=3, alert_repeat=3600)
         blocker = str(uuid.uuid4())
         for _ in range(4):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -87,7 +87,7 @@ class TestSkipStreak:
     def test_a_run_that_gets_the_lock_ends_the_streak_once(self, make_recorder, captured, tmp_path):
         """The next run to take the lock says recovered (count, since, duration), once."""
         calls = tmp_path / "calls"
-        config = HistoryConfig(alert_after=2, on_alert=hook(calls))
+        config = history_config(alert_after=2, on_alert=hook(calls))
         blocker = str(uuid.uuid4())
         for _ in range(3):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -105,7 +105,7 @@ class TestSkipStreak:
 
     def test_a_streak_that_never_alerted_recovers_silently(self, make_recorder, captured):
         """Two skips below --alert-after 3, then a run: no recovered line."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         blocker = str(uuid.uuid4())
         for _ in range(2):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -114,7 +114,7 @@ class TestSkipStreak:
 
     def test_since_is_the_first_skip_of_the_streak(self, dsn, make_recorder, captured):
         """``since`` stays the start of the first skip, however long the streak grows."""
-        config = HistoryConfig(alert_after=2)
+        config = history_config(alert_after=2)
         blocker = str(uuid.uuid4())
         first = make_recorder(config=config)
         first.skipped("locked", holder(blocker), 75)
@@ -125,14 +125,14 @@ class TestSkipStreak:
 
     def test_a_new_holder_starts_a_new_streak(self, make_recorder, captured):
         """Skips behind a different run each time (a busy fleet) never build a streak."""
-        config = HistoryConfig(alert_after=2)
+        config = history_config(alert_after=2)
         for _ in range(4):
             make_recorder(config=config).skipped("locked", holder(str(uuid.uuid4())), 75)
         assert captured.events("skip_streak") == []
 
     def test_a_fleet_alerts_once_per_repeat(self, make_recorder, captured):
         """Three hosts skipping behind one stuck holder, four rounds: one alert in all."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         blocker = str(uuid.uuid4())
         for _ in range(4):
             for host in ("web1", "web2", "web3"):
@@ -142,7 +142,7 @@ class TestSkipStreak:
 
     def test_a_fleet_skipping_at_the_same_moment_alerts_once(self, make_recorder, captured):
         """Six hosts released together by a barrier, six rounds: one alert in all."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         blocker = str(uuid.uuid4())
         hosts = [f"web{n}" for n in range(6)]
         for _ in range(6):
@@ -163,14 +163,14 @@ class TestSkipStreak:
 
     def test_skips_behind_an_unknown_holder_never_chain(self, make_recorder, captured):
         """Without a holder to tell rounds apart, a skip is a streak of one."""
-        config = HistoryConfig(alert_after=2)
+        config = history_config(alert_after=2)
         for _ in range(3):
             make_recorder(config=config).skipped("locked", {}, 75)
         assert captured.events("skip_streak") == []
 
     def test_a_foreign_holder_is_known_by_its_backend(self, make_recorder, captured):
         """A holder that is not jobrun still chains skips through its backend pid and start."""
-        config = HistoryConfig(alert_after=2)
+        config = history_config(alert_after=2)
         foreign = {"holder_backend_pid": 1234, "holder_since": "2026-01-01T00:00:00+00:00"}
         for _ in range(2):
             make_recorder(config=config).skipped("locked", foreign, 75)
@@ -178,7 +178,7 @@ class TestSkipStreak:
 
     def test_already_ran_skips_never_make_a_streak(self, dsn, make_recorder, captured):
         """--once-per skips are the plan working: streak 0, no alert."""
-        config = HistoryConfig(alert_after=1)
+        config = history_config(alert_after=1)
         recorder = make_recorder(config=config)
         recorder.skipped("already_ran", {}, 75)
         assert captured.events("skip_streak") == []
@@ -187,7 +187,7 @@ class TestSkipStreak:
 
     def test_alert_after_zero_disables_alerts(self, make_recorder, captured, tmp_path):
         """--alert-after 0: no error line and no hook, however long the streak."""
-        config = HistoryConfig(alert_after=0, on_alert=hook(tmp_path / "calls"))
+        config = history_config(alert_after=0, on_alert=hook(tmp_path / "calls"))
         blocker = str(uuid.uuid4())
         for _ in range(4):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -211,7 +211,7 @@ class TestFailureStreak:
     def test_alert_fires_at_n_failures_in_a_row(self, make_recorder, captured, tmp_path):
         """failed, timed_out, then exec_failed: failure_streak with count 3 and the hook."""
         calls = tmp_path / "calls"
-        config = HistoryConfig(alert_after=3, on_alert=hook(calls))
+        config = history_config(alert_after=3, on_alert=hook(calls))
         make_recorder(config=config).finished("failed", 1, None, 1.0)
         make_recorder(config=config).finished("timed_out", 124, "SIGTERM", 9.0)
         assert captured.events("failure_streak") == []
@@ -225,7 +225,7 @@ class TestFailureStreak:
 
     def test_a_success_ends_the_streak(self, make_recorder, captured):
         """failed, failed, succeeded, failed, failed: never three in a row."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         for outcome in ("failed", "failed", "succeeded", "failed", "failed"):
             make_recorder(config=config).finished(
                 outcome, 0 if outcome == "succeeded" else 1, None, 1
@@ -234,7 +234,7 @@ class TestFailureStreak:
 
     def test_skips_and_dead_runs_neither_extend_nor_break_it(self, make_recorder, captured):
         """failed, skip, abandoned, failed, failed: the third failure alerts."""
-        config = HistoryConfig(alert_after=3)
+        config = history_config(alert_after=3)
         make_recorder(config=config).finished("failed", 1, None, 1.0)
         make_recorder(config=config).skipped("locked", holder(str(uuid.uuid4())), 75)
         make_recorder(config=config).running(1)  # dies
@@ -246,7 +246,7 @@ class TestFailureStreak:
     def test_deferred_alert_waits_for_flush(self, make_recorder, captured, tmp_path):
         """finished(defer_alerts=True) logs at once but runs the hook only on flush()."""
         calls = tmp_path / "calls"
-        config = HistoryConfig(alert_after=1, on_alert=hook(calls))
+        config = history_config(alert_after=1, on_alert=hook(calls))
         recorder = make_recorder(config=config)
         recorder.finished("failed", 1, None, 1.0, defer_alerts=True)
         assert len(captured.events("failure_streak")) == 1
@@ -259,7 +259,7 @@ class TestFailureStreak:
     ):
         """Five failures alert once (at 3); the success after them says recovered, count 5."""
         calls = tmp_path / "calls"
-        config = HistoryConfig(alert_after=3, on_alert=hook(calls))
+        config = history_config(alert_after=3, on_alert=hook(calls))
         for _ in range(5):
             make_recorder(config=config).finished("failed", 1, None, 1.0)
         make_recorder(config=config).finished("succeeded", 0, None, 1.0)
@@ -276,7 +276,7 @@ class TestFailureStreak:
         self, dsn, make_recorder, captured
     ):
         """The failure after --alert-repeat has passed since the last alert alerts again."""
-        config = HistoryConfig(alert_after=2, alert_repeat=3600)
+        config = history_config(alert_after=2, alert_repeat=3600)
         for _ in range(3):
             make_recorder(config=config).finished("failed", 1, None, 1.0)
         age_alerts(dsn, make_recorder().label, hours=2)
@@ -331,7 +331,7 @@ class TestAlertHook:
         password = conninfo_to_dict(dsn).get("password") or "dsn-Secret-0815"
         pgpassword = "pg-env-Secret-4711"
         script = "import os, sys; sys.stderr.write(os.environ['PGPASSWORD'] + ' ' + sys.argv[1])"
-        config = HistoryConfig(
+        config = history_config(
             alert_after=1, on_alert=(sys.executable, "-c", f"{script}; sys.exit(1)", str(password))
         )
         recorder = make_recorder(

@@ -9,10 +9,9 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
-from jobrun.history.config import HistoryConfig
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
-from support.history import ensure_runs_table, holder, rows_of
+from support.history import ensure_runs_table, history_config, holder, rows_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -220,7 +219,7 @@ class TestRecorderFailures:
         limited = role(
             "GRANT USAGE ON SCHEMA jobrun TO {role}", "GRANT SELECT ON jobrun.runs TO {role}"
         )
-        recorder = make_recorder(target_dsn=limited, config=HistoryConfig(alert_after=1))
+        recorder = make_recorder(target_dsn=limited, config=history_config(alert_after=1))
         assert recorder.acquired(None) is None
         recorder.started(1)
         recorder.finished("failed", 1, None, 1.0)
@@ -245,7 +244,7 @@ class TestRecorderFailures:
         ensure_runs_table(fresh_dsn)
         with psycopg.connect(fresh_dsn) as blocker:
             blocker.execute("LOCK TABLE jobrun.runs IN ACCESS EXCLUSIVE MODE")
-            recorder = make_recorder(target_dsn=fresh_dsn, config=HistoryConfig(timeout=0.5))
+            recorder = make_recorder(target_dsn=fresh_dsn, config=history_config(timeout=0.5))
             recorder.acquired(None)
         (line,) = captured.events("history_failed")
         assert line["during"] == "checking earlier runs"
@@ -260,7 +259,7 @@ class TestRecorderFailures:
             with psycopg.connect(fresh_dsn) as blocker:
                 blocker.execute("LOCK TABLE jobrun.runs IN ACCESS EXCLUSIVE MODE")
                 recorder = make_recorder(
-                    target_dsn=fresh_dsn, config=HistoryConfig(timeout=0.5), shared=session
+                    target_dsn=fresh_dsn, config=history_config(timeout=0.5), shared=session
                 )
                 recorder.acquired(None)
             assert session.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
@@ -277,7 +276,7 @@ class TestRecorderFailures:
         ensure_runs_table(dsn)
         cut = proxy(*pg_address)
         with psycopg.connect(cut.dsn_for(dsn), autocommit=True) as session:
-            config = HistoryConfig(timeout=0.5)
+            config = history_config(timeout=0.5)
             recorder = make_recorder(config=config, shared=session)
             cut.blackhole()
             recorder.acquired(None)  # returns: the test would hang otherwise

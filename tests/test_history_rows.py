@@ -12,9 +12,8 @@ import pytest
 
 from jobrun import keys
 from jobrun.exitcodes import UsageError
-from jobrun.history.config import HistoryConfig
 from jobrun.testing.jobrun_cli import wait_until
-from support.history import Run, holder, row_of, rows_of
+from support.history import Run, history_config, holder, row_of, rows_of
 
 
 class TestSchema:
@@ -222,7 +221,10 @@ class TestOncePer:
             "    c.execute('SELECT pg_advisory_lock(%s)', (keys.lock_id_for(key),))\n"
             "    r = Recorder(db.Target(dsn=dsn), Identity(run_id=str(uuid.uuid4()), host=host),\n"
             "                 keys.resolve((key,), ()), mode='session', program='job',\n"
-            "                 config=HistoryConfig(), log=log.configure(fmt='json'))\n"
+            "                 config=HistoryConfig(keep=100, alert_after=3, alert_repeat=3600,\n"
+            "                     on_alert=None, metrics_file=None, timeout=5, expect_every=None,\n"
+            "                     expect_grace=None),\n"
+            "                 log=log.configure(fmt='json'))\n"
             "    earlier = r.acquired(3600)\n"
             "    if earlier is None:\n"
             "        r.started(1)\n"
@@ -270,7 +272,7 @@ class TestPruning:
 
     def test_keeps_the_newest_n_runs_and_the_newest_n_skips(self, dsn, make_recorder):
         """keep=3 after five runs and five skips: three of each, the newest."""
-        config = HistoryConfig(keep=3, alert_after=0)
+        config = history_config(keep=3, alert_after=0)
         finished = []
         for _ in range(5):
             recorder = make_recorder(config=config)
@@ -285,7 +287,7 @@ class TestPruning:
 
     def test_running_rows_are_never_pruned(self, dsn, make_recorder):
         """A row still running survives any number of newer runs."""
-        config = HistoryConfig(keep=1)
+        config = history_config(keep=1)
         running = make_recorder(config=config)
         running.running(1)
         for _ in range(3):
@@ -295,7 +297,7 @@ class TestPruning:
 
     def test_a_fleet_larger_than_keep_keeps_every_hosts_streak(self, dsn, make_recorder):
         """keep=2, four hosts behind one holder: each host's streak grows every round."""
-        config = HistoryConfig(keep=2, alert_after=0)
+        config = history_config(keep=2, alert_after=0)
         blocker = str(uuid.uuid4())
         hosts = ("web1", "web2", "web3", "web4")
         for round_ in range(1, 5):
@@ -308,7 +310,7 @@ class TestPruning:
 
     def test_a_streak_outlives_its_pruned_rows(self, make_recorder, captured):
         """keep=1: the fourth skip in a row still counts 4."""
-        config = HistoryConfig(keep=1, alert_after=4)
+        config = history_config(keep=1, alert_after=4)
         blocker = str(uuid.uuid4())
         for _ in range(4):
             make_recorder(config=config).skipped("locked", holder(blocker), 75)
@@ -325,4 +327,4 @@ class TestPruning:
     def test_bad_settings_are_usage_errors(self, options, message):
         """keep < 1, alert_after < 0 or a zero hook timeout: UsageError saying which."""
         with pytest.raises(UsageError, match=message):
-            HistoryConfig(**options)
+            history_config(**options)

@@ -12,11 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobrun import db, keys, log, metrics
-from jobrun.history.config import HistoryConfig
 from jobrun.history.notify import NoHistory, Notifier
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
 from jobrun.testing import jobrun_cli
+from support.history import history_config
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -183,7 +183,7 @@ def recorder_for(dsn, key, events) -> Callable[..., Recorder]:
             keys.resolve((key,), ()),
             mode="session",
             program="job",
-            config=HistoryConfig(metrics_file=metrics_file, alert_after=0),
+            config=history_config(metrics_file=metrics_file, alert_after=0),
             log=events.log,
         )
 
@@ -215,7 +215,7 @@ class TestRecorders:
     def test_null_recorder_writes_too(self, tmp_path, key, events):
         """--no-history still writes metrics."""
         path = tmp_path / "m.prom"
-        config = HistoryConfig(metrics_file=str(path))
+        config = history_config(metrics_file=str(path))
         identity = Identity(run_id=str(uuid.uuid4()))
         notifier = Notifier(
             key, [keys.lock_id_for(key)], identity, mode="session", config=config, log=events.log

@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from jobrun.doctor.server import network_peer
-from jobrun.history.config import HistoryConfig
+from jobrun.history.config import CALL_TIMEOUT
 from jobrun.keys import lock_id_for
 from jobrun.locks.lease import LeaseTiming
 from jobrun.locks.session import CONFIRMATION_LIFETIME
@@ -38,7 +38,7 @@ HEARTBEAT = 0.2
 LEASE = LeaseTiming.from_options(ttl=3.0, kill_after=1.0, heartbeat=HEARTBEAT)
 CONNECT_TIMEOUT = 5.0
 #: The history's timeout at the start of a run (session mode; lease mode's is no longer).
-HISTORY_TIMEOUT = HistoryConfig.timeout
+HISTORY_TIMEOUT = CALL_TIMEOUT
 #: What jobrun locked to create its schema before its own locks left the keys' space.
 OLD_SCHEMA_LOCK_ID = -1544725646478961277
 

@@ -15,6 +15,7 @@ from jobrun import db, keys, sql
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, new_run_id
 from jobrun.locks.lease import LeaseLock
+from jobrun.session import ServerSession
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "benchmarks" / "soak.py"
@@ -75,11 +76,12 @@ class TestFoundByTheSoak:
         holder, latecomer = (
             LeaseLock(
                 (keys.from_name(key),),
-                target,
+                ServerSession(target, app_name="jobrun:test", held=False, lends=False),
                 Identity(run_id=new_run_id(), pid=pid),
                 structlog.get_logger(),
                 ttl=60,
                 lifetime=40,
+                heartbeat=1.0,
             )
             for pid in (1, 2)
         )

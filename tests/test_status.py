@@ -23,11 +23,11 @@ from jobrun.cli.ops import (
     status_command,
 )
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
-from jobrun.history.config import HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import wait_for_file
+from support.history import history_config
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -130,7 +130,7 @@ def record(dsn, key, tmp_path) -> Iterator[Callable[..., Recorder]]:
             keys.resolve((label,), ()),
             mode="session",
             program="job",
-            config=HistoryConfig(alert_after=0),
+            config=history_config(alert_after=0),
             log=logger,
         )
 

@@ -7,8 +7,8 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from jobrun import __version__, keys
-from jobrun.cli import options, wiring
+from jobrun import __version__, assemble, keys
+from jobrun.cli import options
 from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 from jobrun.settings import KEY_NAMES, LOCK_IDS, Settings
@@ -62,7 +62,7 @@ def cli(ctx: click.Context, /, **params: Any) -> int | None:
         run_keys=run_keys,
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
     )
-    return wiring.run(argv, settings)
+    return assemble.run(argv, settings)
 
 
 #: The short usage's examples (the same as the first lines of ``jobrun --help``).

@@ -1,10 +1,9 @@
-"""History calls: a few statements as one message, on a lent connection or one of their own."""
+"""History calls: a few statements as one message, on the run's session or one of their own."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
@@ -12,57 +11,20 @@ from psycopg.rows import dict_row
 
 from jobrun import db, sql
 from jobrun.exitcodes import JobrunError
+from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.session import ServerSession
+
     Connection = psycopg.Connection[Any]
     Rows = list[dict[str, Any]]
 
 #: A connection of the history's own gives up connecting after this long.
 CONNECT_TIMEOUT = 5.0
-#: A call on the lock session with no answer this long after its timeout: the network is
-#: silent (the server would have cancelled the statement), so the session is cut.
-SILENCE_GRACE = 2.0
-
-
-class SharedSession(Protocol):
-    """A lock's connection, lent to the history.
-
-    Session mode (``locks.session.SessionLock``; ``slots.SlotLock`` for the slot taken):
-    the lock session, for the whole run. Lease mode (``locks.lease.Loan``): the connection
-    of the lock's last statement (the attempt) or of its next one (the release), lent only
-    in between; the child never runs with one open. What a lock lends is ``Lock.shared()``.
-    """
-
-    @property
-    def comment(self) -> str:
-        """Who holds the lock, as a SQL comment.
-
-        Every statement on the session starts with it, so that a run finding the lock held
-        can name us from pg_stat_activity.query.
-        """
-        ...
-
-    @property
-    def intermittent(self) -> bool:
-        """Whether a connection is lent only at times.
-
-        False: the connection is the lock session, for as long as the lock is held; once it
-        is gone (the lock with it), what is left to record goes over a connection of its
-        own. True: whenever none is lent, a call connects on its own.
-        """
-        ...
-
-    def connection(self) -> Connection | None:
-        """The lent connection (None: there is none)."""
-        ...
-
-    def interrupt(self) -> None:
-        """Cut the session's socket, so that whatever waits on it fails now."""
-        ...
 
 
 def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
@@ -81,13 +43,12 @@ def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
 class Calls:
     """Sends history calls; never raises for database trouble, says it once, then gives up.
 
-    ``shared`` lends the lock's connection (session mode: the run's one server session,
-    shared with the heartbeat; lease mode: the attempt's or the release's). Each call is
-    ONE message of a few statements, which the server runs as one implicit transaction:
-    psycopg's connection lock is held for the whole exchange, so the heartbeat's check
-    waits for at most the call's timeout and never lands inside it, and the session is
-    never left idle in a transaction. Without a connection lent (lease mode holds none
-    between its statements) a call connects on its own.
+    ``session`` is the run's server session (session mode: the lock session, shared with
+    the heartbeat; lease mode: open between the lock's statements only). Each call is ONE
+    message of a few statements, which the server runs as one implicit transaction, in one
+    ``use`` of the session: the heartbeat's check waits for at most the call's timeout and
+    never lands inside it, and the session is never left idle in a transaction. With the
+    session closed (lease mode holds none while the child runs) a call connects on its own.
 
     The call's timeout is split between its statements (``statement_timeout`` and
     ``lock_timeout``, local to the transaction): a history stuck behind a table lock gives up
@@ -101,7 +62,7 @@ class Calls:
         app_name: str,
         timeout: float,
         log: FilteringBoundLogger,
-        shared: SharedSession | None = None,
+        session: ServerSession | None = None,
         create_schema: bool = True,
     ) -> None:
         self._target = dataclasses.replace(
@@ -110,7 +71,7 @@ class Calls:
         self._app_name = app_name
         self._timeout = timeout
         self._log = log
-        self._shared = shared
+        self._session = session
         #: False: a missing table means no rows (a read that must not create the schema).
         self._create_schema = create_schema
         self._warned = False
@@ -155,7 +116,7 @@ class Calls:
             if (
                 isinstance(exc, psycopg.OperationalError)
                 and not isinstance(exc, errors.QueryCanceled | errors.LockNotAvailable)
-                and not (self._on_lock_session and self._lent() is None)
+                and not (self._on_lock_session and self._usable() is None)
             ):
                 self.gave_up = True
             self._failed(during, db.one_line(exc, self._target))
@@ -190,36 +151,29 @@ class Calls:
         )
         return rows
 
-    def _lent(self) -> Connection | None:
-        """The lent connection if it can still be used, else None."""
-        conn = self._shared.connection() if self._shared is not None else None
-        return conn if conn is not None and not conn.closed and not conn.broken else None
+    def _usable(self) -> Connection | None:
+        """The run's session if it can still be used, else None."""
+        return self._session.connection() if self._session is not None else None
 
     def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
-        conn = self._lent()
-        self._on_lock_session = (
-            conn is not None and self._shared is not None and not (self._shared.intermittent)
-        )
-        if conn is None or self._shared is None:
-            # Nothing lent: lease mode holds no connection between its statements, or the
-            # lock session is gone (and the lock with it). Session mode then opens its one
-            # second session: without it a run whose lock was lost would stay "running" in
-            # the history, for the next run to call abandoned, instead of saying lock_lost.
-            self.sessions += 1
-            self.round_trips += 1  # the connection's own start-up exchange
-            with db.connect(self._target, app_name=self._app_name) as own:
-                return self._send(own, statements, params)
-        # WARNING: on a silent network (nothing answers, nothing tells the kernel) this call,
-        # or the heartbeat check it waits for, would never return: past the call's timeout
-        # the socket is cut, as the heartbeat's own watchdog does. A thread per call, but
-        # only a timer that is cancelled as soon as the answer is in.
-        cutter = threading.Timer(self._timeout + SILENCE_GRACE, self._shared.interrupt)
-        cutter.daemon = True
-        cutter.start()
-        try:
-            return self._send(conn, statements, params, prefix=self._shared.comment)
-        finally:
-            cutter.cancel()
+        session = self._session
+        if session is not None:
+            # WARNING: on a silent network (nothing answers, nothing tells the kernel) this
+            # call, or the heartbeat check it waits for, would never return: past the call's
+            # timeout the session cuts the socket, as the heartbeat's own watchdog does.
+            with session.use(self._timeout + SILENCE_GRACE) as conn:
+                self._on_lock_session = conn is not None and session.held
+                if conn is not None:
+                    return self._send(conn, statements, params, prefix=session.comment)
+        # No session open: lease mode holds none while the child runs, or the lock session
+        # is gone (and the lock with it). Session mode then opens its one second session:
+        # without it a run whose lock was lost would stay "running" in the history, for the
+        # next run to call abandoned, instead of saying lock_lost.
+        self._on_lock_session = False
+        self.sessions += 1
+        self.round_trips += 1  # the connection's own start-up exchange
+        with db.connect(self._target, app_name=self._app_name) as own:
+            return self._send(own, statements, params)
 
     def _send(
         self,

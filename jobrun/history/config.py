@@ -26,24 +26,34 @@ OUTCOMES = (
 )
 
 
+#: Longest one history call may take (lease mode: at most half a renewal's lifetime).
+CALL_TIMEOUT = 5.0
+#: Longest the ``--on-alert`` hook may run.
+ALERT_TIMEOUT = 30.0
+
+
 @dataclass(frozen=True)
 class HistoryConfig:
-    """How the history of a run is kept and when it raises an alert (validated on creation)."""
+    """How the history of a run is kept and when it raises an alert (validated on creation).
 
-    keep: int = 100
-    alert_after: int = 3
+    Every value comes from the run's settings: the defaults are the options' own.
+    """
+
+    keep: int
+    alert_after: int
     #: Seconds between two alerts of one streak while it lasts (the first comes at N).
-    alert_repeat: float = 3600.0
-    on_alert: tuple[str, ...] | None = None
-    alert_timeout: float = 30.0
-    metrics_file: str | None = None
+    alert_repeat: float
+    on_alert: tuple[str, ...] | None
+    metrics_file: str | None
     #: Longest one history call may take: shared by its statements, each cancelled by the
     #: server (statement_timeout, lock_timeout) after its share.
-    timeout: float = 5.0
+    timeout: float
     #: ``--expect-every``: seconds between successful runs, and the grace past that before
     #: ``status`` calls the key overdue (None: no expectation recorded).
-    expect_every: float | None = None
-    expect_grace: float | None = None
+    expect_every: float | None
+    expect_grace: float | None
+    #: Longest the alert hook may run (no option: ALERT_TIMEOUT).
+    alert_timeout: float = ALERT_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.keep < 1:

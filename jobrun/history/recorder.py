@@ -10,7 +10,7 @@ from psycopg.types.json import Jsonb
 
 from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.history.calls import Calls, SharedSession
+from jobrun.history.calls import Calls
 from jobrun.history.config import FAILURES, holder_ref, iso
 from jobrun.history.notify import Notifier
 from jobrun.keys import Key, describe
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from jobrun.history.config import HistoryConfig
     from jobrun.locks import Identity
+    from jobrun.session import ServerSession
 
 
 class Recorder:
@@ -31,11 +32,11 @@ class Recorder:
     A run costs two history calls (one message each): ``acquired`` (mark dead runs
     abandoned, check ``--once-per``, insert our ``running`` row, note the database's deadlock
     count, claim skip streaks that ended) and ``finished`` (the outcome, the failure streak,
-    the deadlocks during the run, pruning). A skip costs one. With ``shared`` they go over
-    the lock's connection: session mode, the lock session (no other server session is ever
-    opened); lease mode, the attempt's (the start, a skip) and the release's (the end). The
-    first failure
-    in a run is one ``history_failed`` warning (later ones are debug lines).
+    the deadlocks during the run, pruning). A skip costs one. With ``session`` they go over
+    the run's server session: session mode, the lock session (no other server session is
+    ever opened); lease mode, the attempt's connection (the start, a skip) and the
+    release's (the end). The first failure in a run is one ``history_failed`` warning
+    (later ones are debug lines).
     """
 
     def __init__(
@@ -50,7 +51,7 @@ class Recorder:
         log: FilteringBoundLogger,
         environ: Mapping[str, str] | None = None,
         secrets: tuple[str, ...] = (),
-        shared: SharedSession | None = None,
+        session: ServerSession | None = None,
     ) -> None:
         label = describe(keys)
         self._config = config
@@ -60,7 +61,7 @@ class Recorder:
             app_name=db.application_name(label),
             timeout=config.timeout,
             log=log,
-            shared=shared,
+            session=session,
         )
         self.notifier = Notifier(
             label,

@@ -6,10 +6,7 @@ import datetime as dt
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from jobrun.history.calls import SharedSession
+from typing import Any, Protocol
 
 
 def new_run_id() -> str:
@@ -56,21 +53,34 @@ class Holder:
 
 
 class Lock(Protocol):
-    """A lock on a set of keys, held by one run at a time.
+    """A lock on a set of keys, held by one run at a time, over the session it is handed.
 
     ``acquire`` raises LockStoreUnavailable when the store cannot be used; ``check`` raises
     LockLost when the lock is provably gone and LockStoreUnavailable when this check could
-    not tell (the watchdog then retries until ``confirmation_lifetime`` runs out).
+    not tell (the watchdog then retries until ``confirmation_lifetime`` runs out). The
+    connection is not the lock's: the run opens its server session (``jobrun.session``)
+    and hands it to the lock, the history and the fence alike.
     """
 
-    #: Seconds, counted from when a successful check was *sent*, that the child may go on
-    #: running without another successful check.
-    confirmation_lifetime: float
-    #: Monotonic time the successful acquisition was sent (lease) or completed (session).
-    confirmed_at: float
-    #: A ``jobrun stop`` request for this run (host, username, pid, reason, requested_at),
-    #: set by the ``check`` that first read it.
-    stop_request: dict[str, object] | None
+    @property
+    def confirmation_lifetime(self) -> float:
+        """Seconds, from when a successful check was *sent*, the child may run without another."""
+        ...
+
+    @property
+    def confirmed_at(self) -> float:
+        """Monotonic time the acquisition was sent (lease) or completed (session)."""
+        ...
+
+    @property
+    def stop_request(self) -> dict[str, object] | None:
+        """A ``jobrun stop`` request for this run, set by the ``check`` that first read it."""
+        ...
+
+    @property
+    def slot(self) -> tuple[int, int] | None:
+        """With ``--slots``: the slot taken (0-based) and its lock id; otherwise None."""
+        ...
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key (None) or none of them (who holds the first one we could not get)."""
@@ -80,44 +90,10 @@ class Lock(Protocol):
         """Confirm (session) or renew (lease) that the lock is still ours."""
         ...
 
-    def pause(self, seconds: float, stop_fd: int) -> None:
-        """Sleep up to ``seconds``; return early when ``stop_fd`` is readable or trouble shows."""
-        ...
-
-    def interrupt(self) -> None:
-        """Make a check that hangs on a dead network fail now (called from another thread)."""
-        ...
-
-    def shared(self) -> SharedSession | None:
-        """The connection this lock lends the history's calls (None: they connect on their own).
-
-        Session mode: the lock session itself, for the whole run. Lease mode: the loan of
-        the attempt's and the release's connections (see ``lend``).
-        """
-        ...
-
-    def slot_taken(self) -> tuple[int, int] | None:
-        """With ``--slots``: the slot taken (0-based) and its lock id; otherwise None."""
-        ...
-
-    def lend(self) -> None:
-        """Lease mode: open the release's connection now, lent to the history's end row.
-
-        Session mode: nothing (the lock session is lent all along). Never raises.
-        """
-        ...
-
-    def end_loan(self) -> None:
-        """Lease mode: close the connection lent to the history (before the child starts).
-
-        Session mode: nothing.
-        """
+    def known_lost(self) -> str | None:
+        """Why the lock is gone, when that is known without asking the server (else None)."""
         ...
 
     def release(self) -> None:
-        """Give the lock back (and close a connection lent to the history); never raises."""
-        ...
-
-    def known_lost(self) -> str | None:
-        """Why the lock is gone, when that is known without asking the server (else None)."""
+        """Give the lock back; never raises."""
         ...

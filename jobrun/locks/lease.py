@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import select
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +19,8 @@ from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
+
+    from jobrun.session import ServerSession
 
 #: Longest pause between two attempts while ``--wait`` lasts.
 _WAIT_POLL = 1.0
@@ -44,7 +45,7 @@ class LeaseTiming:
     kill_after: float
     heartbeat: float
     #: Whether the heartbeat was given (the error message then names --heartbeat).
-    heartbeat_given: bool = True
+    heartbeat_given: bool
 
     @classmethod
     def from_options(cls, *, ttl: float, kill_after: float, heartbeat: float | None) -> LeaseTiming:
@@ -92,88 +93,41 @@ def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[floa
     return checked.heartbeat, checked.lifetime
 
 
-class Loan:
-    """The lease's connection, lent to the history between two of the lock's statements.
-
-    The attempt's connection carries the call that follows it (the skip row; the running
-    row and the ``--once-per`` check), the release's the call before it (the end row): a
-    skip costs one connection, a run two plus one per renewal, and in a herd no history
-    call has to win a connection slot of its own. Each call is one message, one implicit
-    transaction (``history.calls``), so nothing is left open on the connection, and a
-    transaction pooler may give every message another server connection.
-    """
-
-    #: Lease rows name their holder: no comment is needed on the statements.
-    comment = ""
-    #: Without a connection lent, the history connects on its own.
-    intermittent = True
-
-    def __init__(self) -> None:
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
-
-    def lend(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
-        """Lend ``conn`` (closing whatever was lent before)."""
-        self.end()
-        self._conn = conn
-
-    def take(self) -> psycopg.Connection[tuple[object, ...]] | None:
-        """The lent connection, handed back (the caller closes it); None if there is none."""
-        conn, self._conn = self._conn, None
-        return conn
-
-    def end(self) -> None:
-        """Close the lent connection, if any."""
-        conn = self.take()
-        if conn is not None:
-            conn.close()
-
-    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
-        """The lent connection, if one is lent and usable."""
-        conn = self._conn
-        return conn if conn is not None and not conn.closed and not conn.broken else None
-
-    def interrupt(self) -> None:
-        """Cut the lent connection's socket: a history call on a silent network fails now."""
-        db.cut(self._conn)
-
-
 class LeaseLock:
     """Leases in ``jobrun.leases``; no connection is held between statements.
 
-    With ``lend``, the connection of an attempt, and that of the release, is lent to the
-    history (``loan``) for the call right after, resp. before, it. WARNING: the attempt's
-    connection then stays open until ``end_loan`` or ``release``: a caller that holds the
-    lease for long (the runner, before the child starts) must call ``end_loan``.
+    The run's server session (``jobrun.session``) carries the attempt and the release, and
+    between them (when it ``lends``) the history's calls right after resp. before them;
+    the run closes it before the child starts. Each renewal takes a connection of its own.
     """
 
     def __init__(
         self,
         keys: tuple[Key, ...],
-        target: db.Target,
+        session: ServerSession,
         identity: Identity,
         log: FilteringBoundLogger,
         *,
         ttl: float,
         lifetime: float,
-        heartbeat: float = 1.0,
-        lend: bool = False,
+        heartbeat: float,
     ) -> None:
         self._keys = keys
-        self._lend = lend
-        self._target = target
+        self._session = session
+        self._target = session.target
         self._identity = identity
         self._log = log
         self._ttl = ttl
         self.confirmation_lifetime = lifetime
         self._lock_wait = lock_wait(heartbeat)
         self.confirmed_at = 0.0
-        self._app_name = db.application_name(describe(keys))
+        self._app_name = session.app_name
         self._held = False
-        #: The connection lent to the history between two of our statements.
-        self.loan = Loan()
         #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
         self.stop_request: dict[str, object] | None = None
-        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, target))
+        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
+        #: No slots here (``slots.SlotLock`` has them).
+        self.slot: tuple[int, int] | None = None
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
@@ -193,22 +147,20 @@ class LeaseLock:
             remaining = deadline - time.monotonic()
             if holder is None or remaining <= 0:
                 return holder
-            self.loan.end()  # nothing is held while we wait
+            self._session.close()  # nothing is held while we wait
             time.sleep(min(_WAIT_POLL, remaining))
 
     def _try_once(self) -> Holder | None:
-        """One attempt, on a connection then lent to the history (the skip or running row)."""
-        conn = db.connect(self._target, app_name=self._app_name)
+        """One attempt, on a new connection that then carries the history's next call."""
+        conn = self._session.open()
         try:
             with db.translate_errors(self._target, "taking the lease"):
                 holder = self._attempt(conn)
         except BaseException:
-            conn.close()
+            self._session.close()
             raise
-        if self._lend:
-            self.loan.lend(conn)
-        else:
-            conn.close()
+        if not self._session.lends:
+            self._session.close()
         return holder
 
     def _attempt(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder | None:
@@ -305,68 +257,34 @@ class LeaseLock:
         row = bounded_row(conn, sql.LEASE_RENEW_COUNT, self._params, wait=self._lock_wait)
         return int(str(row[0])) if row else 0
 
-    def pause(self, seconds: float, stop_fd: int) -> None:
-        """No connection to watch between renewals: just wait."""
-        select.select([stop_fd], [], [], max(0.0, seconds))
-
-    def interrupt(self) -> None:
-        """Nothing to cut: a renewal hangs only until its connect/keepalive limits fire."""
-
-    def shared(self) -> Loan | None:
-        """The loan of our connections, when lending was asked for (else None)."""
-        return self.loan if self._lend else None
-
-    def slot_taken(self) -> None:
-        """No slots here (``slots.SlotLock`` has them)."""
-
-    def lend(self) -> None:
-        """Open the release's connection now and lend it to the history (the end row).
-
-        Never raises: without it, the end row and the release connect on their own.
-        """
-        if not (self._held and self._lend):
-            return
-        try:
-            self.loan.lend(db.connect(self._target, app_name=self._app_name))
-        except (psycopg.Error, LockStoreUnavailable) as exc:
-            self._log.debug("loan_failed", error=db.one_line(exc, self._target))
-
-    def end_loan(self) -> None:
-        """Close the connection lent to the history: none is held while the child runs."""
-        self.loan.end()
-
     def release(self) -> None:
         """Delete our leases (only ours: a newer owner's lease is left alone).
 
-        On the connection lent to the history, if there is one (it is closed either way).
+        On the run's session if it is open (the end row's), else on a connection of its own.
         """
-        lent = self.loan.take()
+        if not self._held:
+            return
+        self._held = False
         try:
-            if not self._held:
-                return
-            self._held = False
-            try:
-                self._delete(lent)
-            except (psycopg.Error, psycopg.Rollback, LockStoreUnavailable) as exc:
-                self._log.warning(
-                    "release_failed",
-                    error=db.one_line(exc, self._target),
-                    note="the lease expires on its own after --ttl",
-                )
-        finally:
-            if lent is not None:
-                lent.close()
+            with self._session.use() as conn:
+                self._delete(conn)
+        except (psycopg.Error, psycopg.Rollback, LockStoreUnavailable) as exc:
+            self._log.warning(
+                "release_failed",
+                error=db.one_line(exc, self._target),
+                note="the lease expires on its own after --ttl",
+            )
 
-    def _delete(self, lent: psycopg.Connection[tuple[object, ...]] | None) -> None:
-        if lent is not None and not lent.closed and not lent.broken:
+    def _delete(self, conn: psycopg.Connection[tuple[object, ...]] | None) -> None:
+        if conn is not None:
             try:
-                lent.execute(sql.LEASE_RELEASE, self._params)
+                conn.execute(sql.LEASE_RELEASE, self._params)
             except psycopg.Error:
                 pass  # it broke under the history's call: a fresh one (the delete is idempotent)
             else:
                 return
-        with db.connect(self._target, app_name=self._app_name) as conn:
-            conn.execute(sql.LEASE_RELEASE, self._params)
+        with db.connect(self._target, app_name=self._app_name) as fresh:
+            fresh.execute(sql.LEASE_RELEASE, self._params)
 
     def known_lost(self) -> str | None:
         """A lease's loss only shows when a renewal fails: nothing is known in between."""

@@ -1,4 +1,4 @@
-"""Session mode: ``pg_try_advisory_lock`` on a dedicated connection held for the child's life."""
+"""Session mode: ``pg_try_advisory_lock`` on the run's server session, held for the child's life."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import re
-import select
 import time
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,8 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.session import ServerSession
+
 #: Without a successful check for this long, we no longer vouch for the session: a cut
 #: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
 CONFIRMATION_LIFETIME = 10.0
@@ -34,18 +35,40 @@ _WAIT_SLICE = 86400.0
 _ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
 
 
+def holder_comment(identity: Identity) -> str:
+    """Who holds the lock, as the SQL comment every statement on the lock session starts with.
+
+    A run that finds the lock held names us from pg_stat_activity.query (host, pid, run id,
+    since).
+    """
+    announcement = json.dumps(
+        {
+            "host": identity.host,
+            "pid": identity.pid,
+            "run_id": identity.run_id,
+            "since": identity.started.isoformat(timespec="seconds"),
+        },
+        ensure_ascii=True,
+    ).replace("*", "")
+    return f"/* jobrun-holder {announcement} */ "
+
+
 class SessionLock:
-    """Advisory locks on one autocommit session; the server frees them when the session ends."""
+    """Advisory locks on the run's server session; the server frees them when it ends.
+
+    The session is the run's (``jobrun.session``): opened here, closed by the run after
+    ``release``; every statement on it carries ``session.comment``.
+    """
 
     def __init__(
         self,
         keys: tuple[Key, ...],
-        target: db.Target,
+        session: ServerSession,
         identity: Identity,
         log: FilteringBoundLogger,
         *,
-        heartbeat: float = 1.0,
-        kill_after: float = 10.0,
+        heartbeat: float,
+        kill_after: float,
     ) -> None:
         # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
         self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
@@ -56,39 +79,25 @@ class SessionLock:
         # lifetime + kill-after + slack.
         self._server_keepalive_idle = math.ceil(self.confirmation_lifetime + kill_after + 5)
         self._keys = keys
-        self._target = target
+        self._session = session
+        self._target = session.target
         self._log = log
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._held: list[Key] = []
-        # Every statement on the lock session carries who we are, so a run that finds the
-        # lock held can name us from pg_stat_activity.query (host, pid, run id, since).
-        announcement = json.dumps(
-            {
-                "host": identity.host,
-                "pid": identity.pid,
-                "run_id": identity.run_id,
-                "since": identity.started.isoformat(timespec="seconds"),
-            },
-            ensure_ascii=True,
-        ).replace("*", "")
-        self._comment = f"/* jobrun-holder {announcement} */ "
-        #: The same, for statements that others (the history) send on this session.
-        self.comment = self._comment
-        #: The history's calls need this session: without it they fail (the lock is gone).
-        self.intermittent = False
-        self._app_name = db.application_name(describe(keys))
+        self._comment = session.comment
+        self._app_name = session.app_name
         self.confirmed_at = 0.0
         self._run_id = identity.run_id
         #: A stop request counts only if it names one of these (the label or a key's).
         self._stop_keys = list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
         #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
         self.stop_request: dict[str, object] | None = None
-        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, target))
+        self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
+        #: No slots here (``slots.SlotLock`` has them).
+        self.slot: tuple[int, int] | None = None
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
-        conn = db.connect(self._target, app_name=self._app_name)
-        self._conn = conn
+        conn = self._session.open()
         try:
             with db.translate_errors(self._target, "preparing the lock session"):
                 immune = (
@@ -125,10 +134,10 @@ class SessionLock:
                     return leased
                 self._unlock_taken(conn)
                 # The session stays open for the skip's history row (one session per skip);
-                # the runner closes it with release() right after.
+                # the run closes it right after.
                 return self._holder_of(conn, blocked)
         except BaseException:
-            self._close()
+            self._session.close()
             raise
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
@@ -211,27 +220,30 @@ class SessionLock:
 
         The same statement reads a ``jobrun stop`` request for this run, where it can.
         """
-        conn = self._conn
-        if conn is None or conn.closed:
-            raise LockLost("the lock session is closed")
         held = [key.lock_id for key in self._held]
-        try:
-            count, request = self._stop_probe.check(
-                lambda: bounded_row(
-                    conn,
-                    sql.HELD_BY_US_OR_STOP,
-                    {"lock_ids": held, "run_id": self._run_id, "stop_keys": self._stop_keys},
-                    wait=self._lock_wait,
-                    prefix=self._comment,
-                ),
-                lambda: _count(conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()),
-            )
-        except psycopg.Error as exc:
-            if conn.broken or conn.closed:
-                raise LockLost(
-                    f"the lock session broke: {db.one_line(exc, self._target)}"
-                ) from None
-            raise db.unavailable(exc, self._target, "checking the lock") from None
+        with self._session.use() as conn:
+            if conn is None:
+                gone = "broke" if self._session.broken() else "is closed"
+                raise LockLost(f"the lock session {gone}")
+            try:
+                count, request = self._stop_probe.check(
+                    lambda: bounded_row(
+                        conn,
+                        sql.HELD_BY_US_OR_STOP,
+                        {"lock_ids": held, "run_id": self._run_id, "stop_keys": self._stop_keys},
+                        wait=self._lock_wait,
+                        prefix=self._comment,
+                    ),
+                    lambda: _count(
+                        conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()
+                    ),
+                )
+            except psycopg.Error as exc:
+                if conn.broken or conn.closed:
+                    raise LockLost(
+                        f"the lock session broke: {db.one_line(exc, self._target)}"
+                    ) from None
+                raise db.unavailable(exc, self._target, "checking the lock") from None
         if request is not None and self.stop_request is None:
             self.stop_request = request
         if count != len(self._held):
@@ -241,69 +253,18 @@ class SessionLock:
 
     def known_lost(self) -> str | None:
         """The lock session broke (a history call on it failed): the server freed our keys."""
-        conn = self._conn
-        if self._held and (conn is None or conn.closed or conn.broken):
+        if self._held and self._session.connection() is None:
             return "the lock session broke"
         return None
 
-    def shared(self) -> SessionLock:
-        """The lock session itself: the history's calls go over it (one session per run)."""
-        return self
-
-    def slot_taken(self) -> None:
-        """No slots here (``slots.SlotLock`` has them)."""
-
-    def connection(self) -> psycopg.Connection[tuple[object, ...]] | None:
-        """The lock session, for the run's history calls (the run's one server session).
-
-        WARNING: a caller must send each of its calls as one message that ends its own
-        transaction (as ``history.calls`` does): psycopg's connection lock then keeps the
-        heartbeat's check from interleaving with it, and the session is never left idle in
-        a transaction (where the server's idle timeouts would end it, and the lock with it).
-        """
-        return self._conn
-
-    def pause(self, seconds: float, stop_fd: int) -> None:
-        """Wait, but wake at once when the server talks (it says FATAL before it hangs up).
-
-        The session also carries the run's history calls: while one is reading its answer
-        (it holds the connection's lock) the socket is readable for it, not for us, and
-        waking would cost a spurious check. Then wait for that call to end (its statement
-        timeout bounds it) and go on waiting.
-        """
-        deadline = time.monotonic() + max(0.0, seconds)
-        while True:
-            conn = self._conn
-            if conn is None or conn.closed:
-                select.select([stop_fd], [], [], max(0.0, deadline - time.monotonic()))
-                return
-            ready, _, _ = select.select(
-                [stop_fd, conn.fileno()], [], [], max(0.0, deadline - time.monotonic())
-            )
-            if not ready or stop_fd in ready:
-                return
-            if conn.lock.acquire(blocking=False):  # nobody else is talking: the server is
-                conn.lock.release()
-                return
-            if conn.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                conn.lock.release()
-            if time.monotonic() >= deadline:
-                return
-
-    def interrupt(self) -> None:
-        """Unblock a check stuck on a dead network by shutting the socket down under it."""
-        db.cut(self._conn)
-
-    def lend(self) -> None:
-        """The lock session is lent to the history all along: nothing to open."""
-
-    def end_loan(self) -> None:
-        """The lock session stays open while the child runs: nothing to close."""
-
     def release(self) -> None:
-        """Unlock what we took (the session might be gone: then the server already did)."""
-        conn = self._conn
-        if conn is not None and not conn.closed and not conn.broken:
+        """Unlock what we took (the session might be gone: then the server already did).
+
+        The session stays open (the run closes it): a ``--slots`` run tries the next slot
+        on it.
+        """
+        conn = self._session.connection()
+        if conn is not None:
             for key in reversed(self._held):
                 try:
                     row = conn.execute(sql.UNLOCK, (key.lock_id,)).fetchone()
@@ -315,17 +276,11 @@ class SessionLock:
                 if not (row and row[0]):
                     self._log.warning("release_not_held", lock=key.label)
         self._held.clear()
-        self._close()
 
     def _unlock_taken(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
         for key in reversed(self._held):
             conn.execute(sql.UNLOCK, (key.lock_id,))
         self._held.clear()
-
-    def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
 
 def announcement(query: object) -> dict[str, object]:

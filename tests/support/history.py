@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -16,9 +15,10 @@ from psycopg.rows import dict_row
 
 from jobrun import db, keys, log
 from jobrun.history.calls import ensure_schema
-from jobrun.history.config import HistoryConfig
+from jobrun.history.config import CALL_TIMEOUT, HistoryConfig
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
+from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -53,20 +53,31 @@ def captured(tmp_path) -> Iterator[Captured]:
     capture.close()
 
 
-@dataclass
-class Lent:
-    """A connection lent to a recorder as the lock session is."""
+#: A run's history settings as the run command's defaults make them.
+PLAIN_RUN = {
+    "keep": 100,
+    "alert_after": 3,
+    "alert_repeat": 3600.0,
+    "on_alert": None,
+    "metrics_file": None,
+    "timeout": CALL_TIMEOUT,
+    "expect_every": None,
+    "expect_grace": None,
+}
 
-    conn: psycopg.Connection[Any]
-    comment: str = "/* jobrun-holder {} */ "
-    intermittent: bool = False  # the lock session: lent for the whole run
 
-    def connection(self) -> psycopg.Connection[Any]:
-        return self.conn
+def history_config(**values: Any) -> HistoryConfig:
+    """A plain run's HistoryConfig, with ``values`` in place of its own."""
+    return HistoryConfig(**{**PLAIN_RUN, **values})
 
-    def interrupt(self) -> None:
-        with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
+
+def lock_session(conn: psycopg.Connection[Any], target: db.Target) -> ServerSession:
+    """A run's session (session mode) over ``conn``, opened by the test as the lock opens it."""
+    session = ServerSession(
+        target, app_name="jobrun:test", held=True, comment="/* jobrun-holder {} */ "
+    )
+    session._conn = conn  # noqa: SLF001 - the connection the test made stands for the lock's
+    return session
 
 
 @dataclass
@@ -105,17 +116,18 @@ def make_recorder(dsn, key, captured) -> Callable[..., Run]:
     ) -> Run:
         identity = Identity(run_id=str(uuid.uuid4()), host=host, pid=pid)
         run_keys = keys.resolve(names, ())
+        target = db.Target(dsn=target_dsn if target_dsn is not None else dsn)
         recorder = Recorder(
-            db.Target(dsn=target_dsn if target_dsn is not None else dsn),
+            target,
             identity,
             run_keys,
             mode=mode,
             program=program,
-            config=config or HistoryConfig(),
+            config=config or history_config(),
             # As the CLI does: every line names the run.
             log=captured.log.bind(run_id=identity.run_id, host=host, pid=pid),
             environ=environ,
-            shared=None if shared is None else Lent(shared),
+            session=None if shared is None else lock_session(shared, target),
         )
         return Run(
             recorder,

@@ -1,4 +1,4 @@
-"""A validated run wired up: its logger, lock, history recorder and extras, then the runner."""
+"""A run assembled from its settings: logger, lock, history, listeners; then the runner."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 from typing import TYPE_CHECKING
 
 from jobrun import __version__, keys
-from jobrun.cli import options
 from jobrun.exitcodes import UsageError
 
 if TYPE_CHECKING:
@@ -16,18 +15,23 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
-    from jobrun.cli.run import Settings
     from jobrun.history.notify import NoHistory
     from jobrun.history.recorder import Recorder
     from jobrun.locks import Identity, Lock
+    from jobrun.session import ServerSession
+    from jobrun.settings import Settings
     from jobrun.waiting import WaitReporter
 
 STDERR = 2
 
 
 def run(argv: tuple[str, ...], settings: Settings) -> int:
-    """Hand a validated run over to the runner (which imports the heavy parts)."""
-    from jobrun import log, masking, operators, runner
+    """Build the run ``settings`` describe, run it, and return its exit status.
+
+    The heavy parts (the lock modes, the history, the operators' modules) are imported
+    here, and only those the settings use.
+    """
+    from jobrun import db, log, masking, operators, runner
     from jobrun.locks import Identity, new_run_id
 
     extras = operators.validate(
@@ -40,7 +44,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     )
 
     run_keys = settings.run_keys
-    target = options.target(settings.dsn, settings.connect_timeout, warn=False)
+    target = db.Target(dsn=settings.dsn, connect_timeout=settings.connect_timeout)
     fd, log_file_error = None, None
     if settings.log_file:
         # A log file that cannot be opened never costs the job its run: stderr instead.
@@ -93,26 +97,29 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         once_per=settings.once_per,
         pass_env=settings.pass_env,
     )
+    session = _session(settings, target, identity)
     lock: Lock
     if settings.slots > 1:
         from jobrun import slots
 
         slot_keys = slots.slot_keys(run_keys[0], settings.slots)
         lock = slots.SlotLock(
-            [_lock(settings, (key,), target, identity, bound, lend=False) for key in slot_keys],
+            [_lock(settings, (key,), session, identity, bound) for key in slot_keys],
             [key.lock_id for key in slot_keys],
         )
     else:
-        lock = _lock(settings, run_keys, target, identity, bound)
+        lock = _lock(settings, run_keys, session, identity, bound)
     recorder = _recorder(
-        settings, target, identity, program=argv[0], log=bound, lock=lock, hidden=hidden
+        settings, target, identity, program=argv[0], log=bound, session=session, hidden=hidden
     )
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
-    if options.OLD_FENCE_VARIABLE in os.environ:
+    from jobrun.cli.options import OLD_FENCE_VARIABLE  # the option's own module names it
+
+    if OLD_FENCE_VARIABLE in os.environ:
         bound.warning(
-            "deprecated_variable", variable=options.OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
+            "deprecated_variable", variable=OLD_FENCE_VARIABLE, use_instead="JOBRUN_FENCE"
         )
     if settings.dsn_on_command_line and target.has_password:
         bound.warning(
@@ -120,62 +127,75 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             hint="a password in --dsn is visible to every user in ps; "
             "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
         )
-    wired = operators.Extras(
+    listeners = operators.listeners(
         extras,
         target=target,
         lock=lock,
+        session=session,
         identity=identity,
         recorder=recorder,
         log=bound,
         hidden=hidden,
     )
-    status = runner.run(
+    return runner.run(
         job,
         lock=lock,
+        session=session,
         identity=identity,
         environ=os.environ,
         log=bound,
-        recorder=recorder,
-        pinger=wired.pinger,
-        capture=wired.capture,
-        fencer=wired.fencer,
+        history=recorder,
+        listeners=listeners,
         waiting=_waiting(settings, target, bound),
     )
-    wired.after(status)  # the output tail and the end ping, after the release
-    return status
+
+
+def _session(settings: Settings, target: db.Target, identity: Identity) -> ServerSession:
+    """The run's one server session, handed to the lock, the history and the fence.
+
+    Session mode: the lock session, held from the acquisition to the release, every
+    statement naming the holder. Lease mode: open only between the lock's statements; with
+    ``--slots`` each attempt closes its own (no slot's connection is anyone else's).
+    """
+    from jobrun import db, session
+
+    app_name = db.application_name(keys.describe(settings.run_keys))
+    if settings.mode == "lease":
+        return session.ServerSession(
+            target, app_name=app_name, held=False, lends=settings.slots <= 1
+        )
+    from jobrun.locks.session import holder_comment
+
+    return session.ServerSession(
+        target, app_name=app_name, held=True, comment=holder_comment(identity)
+    )
 
 
 def _lock(
     settings: Settings,
     run_keys: tuple[keys.Key, ...],
-    target: db.Target,
+    session: ServerSession,
     identity: Identity,
     log: FilteringBoundLogger,
-    *,
-    lend: bool = True,
 ) -> Lock:
-    """The lock of the run's mode on ``run_keys``.
-
-    ``lend``: a lease lends its connections to the history (not with ``--slots``).
-    """
+    """The lock of the run's mode on ``run_keys``, over the run's ``session``."""
     if settings.mode == "lease":
         from jobrun.locks import lease
 
         return lease.LeaseLock(
             run_keys,
-            target,
+            session,
             identity,
             log,
             ttl=settings.ttl,
             lifetime=settings.lifetime,
             heartbeat=settings.heartbeat,
-            lend=lend,
         )
-    from jobrun.locks import session
+    from jobrun.locks.session import SessionLock
 
-    return session.SessionLock(
+    return SessionLock(
         run_keys,
-        target,
+        session,
         identity,
         log,
         heartbeat=settings.heartbeat,
@@ -190,13 +210,13 @@ def _recorder(
     *,
     program: str,
     log: FilteringBoundLogger,
-    lock: Lock,
+    session: ServerSession,
     hidden: tuple[str, ...],
 ) -> Recorder | NoHistory:
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
-    Session mode: the history goes over the lock session (one server session per run);
-    lease mode: over the connections of the attempt and of the release.
+    Its calls go over the run's session (session mode: the one server session of the run;
+    lease mode: the connections of the attempt and of the release).
     """
     from pathlib import Path
 
@@ -217,10 +237,7 @@ def _recorder(
         metrics_file=settings.metrics_file,
         expect_every=settings.expect_every,
         expect_grace=settings.expect_grace,
-        # WARNING: a history call holds the lock session (and so the heartbeat) up: its
-        # timeout plus one heartbeat stays within the session's 10 s confirmation lifetime;
-        # in lease mode it must never outlast half of what a renewal vouches for.
-        timeout=min(5.0, settings.lifetime / 2) if settings.mode == "lease" else 5.0,
+        timeout=_history_timeout(settings),
     )
     # The hook's environment: without jobrun's own secrets, as the child's.
     hook_environ = masking.passed_on(os.environ, settings.pass_env)
@@ -235,7 +252,7 @@ def _recorder(
             environ=hook_environ,
             secrets=hidden,
         )
-        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, lock, log))
+        return notify.NoHistory(notifier, pauses=_pause_check(settings, target, session, log))
     return recorder.Recorder(
         target,
         identity,
@@ -246,17 +263,17 @@ def _recorder(
         log=log,
         environ=hook_environ,
         secrets=hidden,
-        shared=lock.shared(),
+        session=session,
     )
 
 
 def _pause_check(
-    settings: Settings, target: db.Target, lock: Lock, log: FilteringBoundLogger
+    settings: Settings, target: db.Target, session: ServerSession, log: FilteringBoundLogger
 ) -> Callable[[], dict[str, object] | None]:
     """Without history, the pause check: a statement of its own, after the lock is taken.
 
     Session mode: one more round trip on the lock session; lease mode: one more round trip
-    on the connection that took the lease (lent to it, as to the history).
+    on the connection that took the lease (as the history's calls).
     """
     from jobrun import sql
     from jobrun.history import calls, recorder
@@ -264,9 +281,9 @@ def _pause_check(
     checker = calls.Calls(
         target,
         app_name="jobrun-pause-check",
-        timeout=5.0 if settings.mode == "session" else min(5.0, settings.lifetime / 2),
+        timeout=_history_timeout(settings),
         log=log,
-        shared=lock.shared(),
+        session=session,
         # --no-history: no pause table, no pause; never create the schema for it.
         create_schema=False,
     )
@@ -280,6 +297,18 @@ def _pause_check(
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 
     return check
+
+
+def _history_timeout(settings: Settings) -> float:
+    """Longest one history call (or pause check) may take.
+
+    WARNING: a call holds the lock session (and so the heartbeat) up: its timeout plus one
+    heartbeat stays within the session's 10 s confirmation lifetime; in lease mode it must
+    never outlast half of what a renewal vouches for.
+    """
+    from jobrun.history.config import CALL_TIMEOUT
+
+    return min(CALL_TIMEOUT, settings.lifetime / 2) if settings.mode == "lease" else CALL_TIMEOUT
 
 
 def _waiting(

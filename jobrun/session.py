@@ -1,0 +1,190 @@
+"""The run's one server session: the run opens it and hands it to the lock, history and fence."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from jobrun import db
+from jobrun.exitcodes import LockStoreUnavailable
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from structlog.typing import FilteringBoundLogger
+
+    Connection = psycopg.Connection[Any]
+
+#: A use of the session with no answer this long after its own bound: the network is silent
+#: (the server would have cancelled the statement), so the session is cut.
+SILENCE_GRACE = 2.0
+
+
+class ServerSession:
+    """One autocommit connection, owned by the run, used by one party at a time.
+
+    The lock's statements, its heartbeat, the history's calls and the fencing token all
+    go over it, each through ``use``: one at a time (each a message that ends its own
+    transaction, so the session is never left idle in a transaction), and a use bounded
+    by the caller is cut short when the network goes silent under it.
+
+    ``held`` (session mode): opened by the acquisition, kept until the run closes it; once
+    it is gone the lock is gone with it, and it is never reopened. Otherwise (lease mode)
+    the session is open only between two of the lock's statements: ``rest`` closes it
+    before the child starts, ``resume`` opens it for the run's last statements (the end row
+    and the release), and nothing is held while the child runs or while ``--wait`` waits.
+    ``lends``: the lease's connections carry the history's calls (not with ``--slots``:
+    there each attempt closes its own).
+    """
+
+    def __init__(
+        self,
+        target: db.Target,
+        *,
+        app_name: str,
+        held: bool,
+        lends: bool = True,
+        comment: str = "",
+    ) -> None:
+        self.target = target
+        self.app_name = app_name
+        self.held = held
+        self.lends = lends
+        #: Who holds the lock, as a SQL comment on every statement (session mode): a run
+        #: finding the lock held names us from pg_stat_activity.query.
+        self.comment = comment
+        self._conn: Connection | None = None
+        self._turn = threading.Lock()
+        #: By when each bounded use (in progress or waiting for its turn) must be over.
+        self._deadlines: dict[object, float] = {}
+        self._guard: threading.Thread | None = None
+        self._changed = threading.Condition()
+
+    def open(self) -> Connection:
+        """The session's connection: the one open (session mode: kept), or a new one."""
+        conn = self.connection()
+        if conn is not None and self.held:
+            return conn
+        self.close()
+        self._conn = db.connect(self.target, app_name=self.app_name)
+        return self._conn
+
+    def connection(self) -> Connection | None:
+        """The open connection, if it can still be used."""
+        conn = self._conn
+        return conn if conn is not None and not conn.closed and not conn.broken else None
+
+    def broken(self) -> bool:
+        """Whether a connection was opened and has broken or been closed since (not resting)."""
+        conn = self._conn
+        return conn is not None and (conn.closed or conn.broken)
+
+    @contextlib.contextmanager
+    def use(self, bound: float | None = None) -> Iterator[Connection | None]:
+        """The connection for one use (None: there is none), after any other use is over.
+
+        WARNING: each use must end its own transaction (one message of a few statements, as
+        ``history.calls`` sends). ``bound``: seconds, counted from now (the wait for the turn
+        included), after which a use with no answer cuts the socket: on a silent network
+        nothing else would ever end the wait, neither this use's nor the one it waits
+        behind. Every use after the cut finds the connection broken, as it must: the lock
+        went with it.
+        """
+        token = object()
+        if bound is not None:
+            self._arm(token, time.monotonic() + bound)
+        try:
+            with self._turn:
+                yield self.connection()
+        finally:
+            if bound is not None:
+                self._arm(token, None)
+
+    def busy(self) -> bool:
+        """Whether a use is in progress (its answer is then being read by it, not by us)."""
+        if self._turn.acquire(blocking=False):
+            self._turn.release()
+            return False
+        return True
+
+    def pause(self, seconds: float, stop_fd: int) -> None:
+        """Sleep up to ``seconds``; wake when ``stop_fd`` is readable or the server talks.
+
+        Session mode: the server says FATAL before it hangs up, so a readable idle socket
+        means trouble. A use in progress reads its own answer: then wait for it to end
+        (its bound ends it) and go on waiting. Lease mode: nothing to watch.
+        """
+        deadline = time.monotonic() + max(0.0, seconds)
+        while True:
+            conn = self.connection() if self.held else None
+            if conn is None:
+                select.select([stop_fd], [], [], max(0.0, deadline - time.monotonic()))
+                return
+            ready, _, _ = select.select(
+                [stop_fd, conn.fileno()], [], [], max(0.0, deadline - time.monotonic())
+            )
+            if not ready or stop_fd in ready or not self.busy():
+                return
+            if self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                self._turn.release()
+            if time.monotonic() >= deadline:
+                return
+
+    def cut(self) -> None:
+        """Shut the socket down under whatever waits on it (a dead network): it fails now."""
+        db.cut(self._conn)
+
+    def rest(self) -> None:
+        """Lease mode: close the connection; nothing is held while the child runs."""
+        if not self.held:
+            self.close()
+
+    def resume(self, log: FilteringBoundLogger) -> None:
+        """Lease mode: open the connection for the run's last statements. Never raises.
+
+        Without it, the end row and the release connect on their own.
+        """
+        if self.held or not self.lends:
+            return
+        try:
+            self.open()
+        except (psycopg.Error, LockStoreUnavailable) as exc:
+            log.debug("loan_failed", error=db.one_line(exc, self.target))
+
+    def close(self) -> None:
+        """Close the connection, if open (the server frees a session's locks with it)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _arm(self, token: object, deadline: float | None) -> None:
+        with self._changed:
+            if deadline is None:
+                self._deadlines.pop(token, None)
+            else:
+                self._deadlines[token] = deadline
+                if self._guard is None:
+                    # One guard at a time, awake only while a bounded use is on.
+                    self._guard = threading.Thread(
+                        target=self._watch, name="jobrun-session", daemon=True
+                    )
+                    self._guard.start()
+            self._changed.notify()
+
+    def _watch(self) -> None:
+        while True:
+            with self._changed:
+                if not self._deadlines:
+                    self._guard = None
+                    return
+                remaining = min(self._deadlines.values()) - time.monotonic()
+                if remaining > 0:
+                    self._changed.wait(remaining)
+                    continue
+                self._deadlines.clear()  # each use past its bound fails with the cut
+            self.cut()
