@@ -107,7 +107,9 @@ def _session_holder(label: str, found: Sequence[Any] | None) -> Holder | None:
     return dataclasses.replace(session_holder(label, found[1:]), mode="session")
 
 
-def verify_run(conn: Connection, label: str, holder: Holder) -> str:
+def verify_run(
+    conn: Connection, label: str, holder: Holder, *, labelled: bool | None = None
+) -> str:
     """The key to address ``holder``'s stop request to; StopRefused if it is not ``label``'s.
 
     The key is one the run honours: ``label`` when it is one key; for several, the run's
@@ -120,19 +122,13 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> str:
     run of ``label``. A run without a history row (--no-history) cannot be checked here:
     the request carries a key of ``label``, and a run honours only requests for its own
     keys, so a request for a run of another key stops nothing.
+
+    ``labelled``: whether ``jobrun init``'s run_label function is there (None: not known).
     """
     parts = label.split(",")
     if holder.run_id is None:
         return parts[0]
-    try:
-        row = conn.execute(sql.RUN_LABEL, (holder.run_id,)).fetchone()
-    except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
-        # Before jobrun init: the table, as this role sees it (no schema yet: no history).
-        try:
-            row = conn.execute(sql.RUN_LABEL_VISIBLE, (holder.run_id,)).fetchone()
-        except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
-            row = None
-    recorded = None if row is None else row[0]
+    recorded = _recorded_label(conn, holder.run_id, labelled=labelled)
     if recorded is None:
         return parts[0]
     if not set(parts) <= set(str(recorded).split(",")):
@@ -142,6 +138,26 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> str:
             "comment is not trusted)"
         )
     return label if len(parts) == 1 else str(recorded)
+
+
+def _recorded_label(conn: Connection, run_id: str, *, labelled: bool | None) -> object:
+    """The label the history records for ``run_id`` (None: no row this role can see).
+
+    The owner's view first (``jobrun init``'s run_label, unless ``labelled`` says it is not
+    there), else the table as this role sees it (no schema yet: no history).
+    """
+    if labelled is not False:
+        try:
+            row = conn.execute(sql.RUN_LABEL, (run_id,)).fetchone()
+        except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+            pass
+        else:
+            return None if row is None else row[0]
+    try:
+        row = conn.execute(sql.RUN_LABEL_VISIBLE, (run_id,)).fetchone()
+    except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        return None
+    return None if row is None else row[0]
 
 
 @dataclass(frozen=True)

@@ -54,28 +54,34 @@ def ever_recorded(conn: Connection, label: str) -> bool:
     return control.holder_of(conn, label) is not None
 
 
-def held_if_recorded(conn: Connection, label: str) -> Holder | None:
+def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool | None]:
     """The run holding ``label`` now (see control.holder_of); NeverRecorded for a typo.
 
-    One message where every table is there and readable: whether the key was recorded,
-    its lease holder, its session holder. Else the statements one by one, as
-    ``require_recorded`` and ``holder_of`` send them (a missing table or grant costs only
-    its own part).
+    And whether ``jobrun init`` made the run-label function (None: not asked), so that
+    ``control.verify_run`` need not try it in vain. One message where every table is there
+    and readable: whether the key was recorded, its lease holder, its session holder, the
+    function. Else the statements one by one, as ``require_recorded`` and ``holder_of``
+    send them (a missing table or grant costs only its own part).
     """
     params = {"key": label, "lock_ids": control.candidate_ids(label)}
     try:
-        recorded, lease, session = messages.results(
+        recorded, lease, session, labelled = messages.results(
             conn,
-            [statements.RECORDED_ANYWHERE, sql.STOP_LEASE_HOLDER, sql.SESSION_HOLDER_OF_ANY],
+            [
+                statements.RECORDED_ANYWHERE,
+                sql.STOP_LEASE_HOLDER,
+                sql.SESSION_HOLDER_OF_ANY,
+                sql.RUN_LABEL_DEFINED,
+            ],
             params,
         )
     except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
         require_recorded(conn, label)
-        return control.holder_of(conn, label)
+        return control.holder_of(conn, label), None
     holder = control.holder_among(label, _first(lease), _first(session))
     if holder is None and not (recorded and recorded[0][0]):
         raise NeverRecorded(label)
-    return holder
+    return holder, bool(labelled and labelled[0][0])
 
 
 def resume_if_recorded(conn: Connection, label: str) -> bool:

@@ -68,7 +68,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
     ) as conn:
-        holder = records.held_if_recorded(conn, key_label)
+        holder, labelled = records.held_if_recorded(conn, key_label)
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
             return int(Exit.ATTENTION)
@@ -83,7 +83,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        addressed = control.verify_run(conn, key_label, holder)
+        addressed = control.verify_run(conn, key_label, holder, labelled=labelled)
         asked = control.request_stop(conn, addressed, holder, reason, key_label)
         click.echo(f"asked {who} to stop (as role {printable(asked.by)})", err=True)
         result = control.wait_for_end(conn, key_label, holder, wait, force=force, held=asked.held)

@@ -89,6 +89,8 @@ STOP_REQUEST_OF = "SELECT username, key FROM jobrun.stop_requests WHERE run_id =
 #: which row-level security does not narrow), or, before init, the table itself.
 RUN_LABEL = "SELECT jobrun.run_label(%s::uuid)"
 RUN_LABEL_VISIBLE = "SELECT key FROM jobrun.runs WHERE run_id = %s::uuid"
+#: Whether ``jobrun init`` made run_label (else RUN_LABEL fails: the table itself is asked).
+RUN_LABEL_DEFINED = "SELECT to_regprocedure('jobrun.run_label(uuid)') IS NOT NULL"
 
 #: Stop requests whose run has ended (no lease or session of it can still read them).
 STOP_REQUESTS_PRUNE = """
