@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -35,6 +36,8 @@ LEASE_SKIP = Calls(sessions=1, statements=6)
 # The subcommands, each over its one session (a key run once first, so that it is known).
 STATUS = Calls(sessions=1, statements=1)
 STATUS_KEY = Calls(sessions=1, statements=1)
+#: Where lease mode never ran (no jobrun.leases), the one message is sent again without it.
+STATUS_NO_LEASES = Calls(sessions=1, statements=2)
 HISTORY_KEY = Calls(sessions=1, statements=1)
 SHOW_KEY = Calls(sessions=1, statements=2)
 STOP_NO_WAIT = Calls(sessions=1, statements=3)
@@ -141,6 +144,21 @@ class TestSubcommands:
         ran(logged_server, key)
         calls = counted(log, logged_server, "status", status=0)
         assert calls == STATUS, calls.explain()
+
+    def test_status_where_lease_mode_never_ran(self, logged_server, log, key):
+        """``status`` without jobrun.leases: the message, then the same without the leases."""
+        name = f"session_only_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(logged_server.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        only = logged_server.dsn(name)
+        done = jobrun_cli.run(*SESSION_BEATS, "--key", key, "--", "true", dsn=only)
+        assert done.returncode == 0, done.stderr
+        log.mark()
+        shown = jobrun_cli.run("status", dsn=only)
+        assert shown.returncode == 0, shown.stderr
+        assert key in shown.stdout
+        calls = log.calls()
+        assert calls == STATUS_NO_LEASES, calls.explain()
 
     def test_status_of_a_key(self, logged_server, log, key):
         """``status KEY``: every read in one message."""

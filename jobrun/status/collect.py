@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
-from psycopg.rows import dict_row
 
-from jobrun import db, keys, sql
+from jobrun import db, keys, messages, sql
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
@@ -360,18 +359,13 @@ def _read(conn: Connection, query: str, params: dict[str, Any] | None = None) ->
 def _read_many(conn: Connection, queries: Sequence[str], params: dict[str, Any]) -> list[list[Row]]:
     """The rows of each query, sent as ONE message with the history's timeouts first.
 
-    Bound on the client, the statements go as one simple-protocol message, which the server
-    runs as one implicit transaction: the timeouts (local to it) end with it, and an error
-    in any statement fails the whole (the connection is in autocommit: nothing is left open).
+    One implicit transaction: the timeouts (local to it) end with it, and an error in any
+    statement fails the whole.
     """
-    cursor = psycopg.ClientCursor(conn, row_factory=dict_row)
-    cursor.execute(
-        ";\n".join([sql.RUNS_TIMEOUTS, *queries]), {**params, "ms": _STATEMENT_TIMEOUT_MS}
+    found = messages.dict_results(
+        conn, [sql.RUNS_TIMEOUTS, *queries], {**params, "ms": _STATEMENT_TIMEOUT_MS}
     )
-    results: list[list[Row]] = []
-    while cursor.nextset():
-        results.append(cursor.fetchall())
-    return results
+    return found[1:]
 
 
 def _leases(rows: list[Row]) -> dict[int, tuple[str | None, Holder]]:
