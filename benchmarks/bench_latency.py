@@ -174,6 +174,9 @@ class Variant:
             self.background("--mode", "lease", "--key", key("lease-skip"), "--", "sleep", "3600")
         )
         self.direct("--once-per", "1d", "--key", key("once-per"), "--", "true")
+        # pause and resume refuse a key never recorded (a typo): each key runs once first.
+        for name in ("pause", "resume"):
+            self.direct("--key", key(name), "--", "true")
         shown = self.direct("--keep-output", "16KiB", "--key", key("show"), "--", "false")
         run_id = next(
             (e["run_id"] for e in _events(shown.stderr) if "run_id" in e), "no-run-id-found"

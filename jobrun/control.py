@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from psycopg import errors
 
-from jobrun import sql
+from jobrun import messages, sql
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError
 from jobrun.history.calls import ensure_schema
@@ -25,7 +25,7 @@ from jobrun.status import lock_ids_of
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     import psycopg
 
@@ -66,26 +66,50 @@ def candidate_ids(label: str) -> list[int]:
 
 def holder_of(conn: Connection, label: str) -> Holder | None:
     """The run holding ``label`` now: its lease (lease mode) or its advisory lock (session)."""
-    lock_ids = candidate_ids(label)
+    params = {"lock_ids": candidate_ids(label)}
     try:
-        row = conn.execute(sql.STOP_LEASE_HOLDER, (lock_ids,)).fetchone()
+        row = conn.execute(sql.STOP_LEASE_HOLDER, params).fetchone()
     except errors.UndefinedTable:
         row = None
     if row is not None:
-        owner, host, pid, key = row
-        if str(key) not in label.split(","):
-            raise StopRefused(
-                f"the lease on {printable(label)}'s lock names key {printable(key)}, not "
-                f"{printable(label)}: not asked to stop (jobrun init binds a lease to its key)"
-            )
-        return Holder(key=label, mode="lease", host=str(host), pid=int(str(pid)), run_id=owner)
-    found = conn.execute(sql.SESSION_HOLDER_OF_ANY, {"lock_ids": lock_ids}).fetchone()
-    if found is not None:
-        return dataclasses.replace(session_holder(label, found[1:]), mode="session")
-    return None
+        return _lease_holder(label, row)
+    found = conn.execute(sql.SESSION_HOLDER_OF_ANY, params).fetchone()
+    return _session_holder(label, found)
 
 
-def verify_run(conn: Connection, label: str, holder: Holder) -> str:
+def holder_among(
+    label: str, lease: Sequence[Any] | None, session: Sequence[Any] | None
+) -> Holder | None:
+    """The holder of ``label`` from the rows of STOP_LEASE_HOLDER and SESSION_HOLDER_OF_ANY.
+
+    (For a caller that read both in one message with what else it needed.)
+    """
+    if lease is not None:
+        return _lease_holder(label, lease)
+    return _session_holder(label, session)
+
+
+def _lease_holder(label: str, row: Sequence[Any]) -> Holder:
+    """The lease-mode holder (a STOP_LEASE_HOLDER row); StopRefused if its key is not ours."""
+    owner, host, pid, key = row
+    if str(key) not in label.split(","):
+        raise StopRefused(
+            f"the lease on {printable(label)}'s lock names key {printable(key)}, not "
+            f"{printable(label)}: not asked to stop (jobrun init binds a lease to its key)"
+        )
+    return Holder(key=label, mode="lease", host=str(host), pid=int(str(pid)), run_id=owner)
+
+
+def _session_holder(label: str, found: Sequence[Any] | None) -> Holder | None:
+    """The session-mode holder (a SESSION_HOLDER_OF_ANY row), if any."""
+    if found is None:
+        return None
+    return dataclasses.replace(session_holder(label, found[1:]), mode="session")
+
+
+def verify_run(
+    conn: Connection, label: str, holder: Holder, *, labelled: bool | None = None
+) -> str:
     """The key to address ``holder``'s stop request to; StopRefused if it is not ``label``'s.
 
     The key is one the run honours: ``label`` when it is one key; for several, the run's
@@ -98,19 +122,13 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> str:
     run of ``label``. A run without a history row (--no-history) cannot be checked here:
     the request carries a key of ``label``, and a run honours only requests for its own
     keys, so a request for a run of another key stops nothing.
+
+    ``labelled``: whether ``jobrun init``'s run_label function is there (None: not known).
     """
     parts = label.split(",")
     if holder.run_id is None:
         return parts[0]
-    try:
-        row = conn.execute(sql.RUN_LABEL, (holder.run_id,)).fetchone()
-    except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
-        # Before jobrun init: the table, as this role sees it (no schema yet: no history).
-        try:
-            row = conn.execute(sql.RUN_LABEL_VISIBLE, (holder.run_id,)).fetchone()
-        except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
-            row = None
-    recorded = None if row is None else row[0]
+    recorded = _recorded_label(conn, holder.run_id, labelled=labelled)
     if recorded is None:
         return parts[0]
     if not set(parts) <= set(str(recorded).split(",")):
@@ -120,6 +138,26 @@ def verify_run(conn: Connection, label: str, holder: Holder) -> str:
             "comment is not trusted)"
         )
     return label if len(parts) == 1 else str(recorded)
+
+
+def _recorded_label(conn: Connection, run_id: str, *, labelled: bool | None) -> object:
+    """The label the history records for ``run_id`` (None: no row this role can see).
+
+    The owner's view first (``jobrun init``'s run_label, unless ``labelled`` says it is not
+    there), else the table as this role sees it (no schema yet: no history).
+    """
+    if labelled is not False:
+        try:
+            row = conn.execute(sql.RUN_LABEL, (run_id,)).fetchone()
+        except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+            pass
+        else:
+            return None if row is None else row[0]
+    try:
+        row = conn.execute(sql.RUN_LABEL_VISIBLE, (run_id,)).fetchone()
+    except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        return None
+    return None if row is None else row[0]
 
 
 @dataclass(frozen=True)
@@ -147,16 +185,42 @@ def _creating_tables(conn: Connection, write: Callable[[], T]) -> T:
         return write()
 
 
-def request_stop(conn: Connection, key: str, holder: Holder, reason: str | None) -> str:
-    """Write the stop request for ``holder``'s run (its heartbeat reads it): the role recorded.
+@dataclass(frozen=True)
+class Requested:
+    """A stop request written: the role recorded as who asked, and whether the run still held."""
 
-    ``key``: what verify_run addressed it to (a key of the run, or its label).
+    by: str
+    #: The first look of ``wait_for_end``, taken in the request's own message.
+    held: bool
+
+
+def request_stop(
+    conn: Connection, key: str, holder: Holder, reason: str | None, label: str
+) -> Requested:
+    """Write the stop request for ``holder``'s run (its heartbeat reads it), then look once.
+
+    ``key``: what verify_run addressed it to (a key of the run, or its label); ``label``:
+    the key asked for, whose lock the look checks. One message: the request, pruning the
+    old ones, and whether the run still holds its lock.
 
     A request already there (a repeat) is kept. One this role may not see was written for
     another key by another role: StopRefused, for the run would never read ours.
     """
-    params = {"run_id": holder.run_id, "key": key, "reason": reason, **who_asks()}
-    row = _claimed(conn, sql.STOP_REQUEST, sql.STOP_REQUEST_UNCLAIMED, params)
+    params = {
+        "run_id": holder.run_id,
+        "key": key,
+        "reason": reason,
+        **who_asks(),
+        **_look_params(label, holder),
+    }
+    found = _claimed(
+        conn,
+        sql.STOP_REQUEST,
+        sql.STOP_REQUEST_UNCLAIMED,
+        params,
+        after=(sql.STOP_REQUESTS_PRUNE, _still_holding(holder)),
+    )
+    row = found[0][0] if found[0] else None
     if row is None:
         row = conn.execute(sql.STOP_REQUEST_OF, (holder.run_id,)).fetchone()
         if row is None:
@@ -164,48 +228,73 @@ def request_stop(conn: Connection, key: str, holder: Holder, reason: str | None)
                 f"another role's stop request for run {printable(holder.run_id)} is in the way "
                 "(it names a key this role may not see): not asked to stop"
             )
-    conn.execute(sql.STOP_REQUESTS_PRUNE)
-    return str(row[0])
+    look = found[-1][0] if found[-1] else None
+    return Requested(by=str(row[0]), held=bool(look and look[0]))
 
 
 def _claimed(
-    conn: Connection, statement: str, unclaimed: str, params: dict[str, object]
-) -> tuple[Any, ...] | None:
-    """``statement``'s row, or ``unclaimed``'s where it must do without the claim.
+    conn: Connection,
+    statement: str,
+    unclaimed: str,
+    params: dict[str, object],
+    *,
+    after: Sequence[str] = (),
+) -> list[list[tuple[Any, ...]]]:
+    """The rows of ``statement``, then of each of ``after``: one message.
 
-    That is an older version's table (no claimed_user column) that this role may not
-    bring up to date.
+    ``unclaimed`` stands in for ``statement`` where it must do without the claim: an older
+    version's table (no claimed_user column) that this role may not bring up to date.
     """
+
+    def write(first: str) -> list[list[tuple[Any, ...]]]:
+        return messages.results(conn, [first, *after], params)
+
     try:
-        return _creating_tables(conn, lambda: conn.execute(statement, params).fetchone())
+        return _creating_tables(conn, lambda: write(statement))
     except errors.UndefinedColumn:
         pass
     try:
         ensure_schema(conn)
     except errors.InsufficientPrivilege:
-        return conn.execute(unclaimed, params).fetchone()
-    return conn.execute(statement, params).fetchone()
+        return write(unclaimed)
+    return write(statement)
 
 
-def wait_for_end(
-    conn: Connection, label: str, holder: Holder, wait: float, *, force: bool
-) -> StopResult:
-    """Poll until ``holder`` no longer holds ``label``'s lock, or ``wait`` runs out.
-
-    With ``force``, a run still holding its lock then has it taken away: its backend
-    terminated (session mode) or its lease deleted (lease mode).
-    """
-    params = {
+def _look_params(label: str, holder: Holder) -> dict[str, object]:
+    """The parameters of STOP_STILL_LEASED / STOP_STILL_LOCKED."""
+    return {
         "run_id": holder.run_id,
         "backend_pid": holder.backend_pid or 0,
         "lock_ids": candidate_ids(label),
     }
+
+
+def _still_holding(holder: Holder) -> str:
+    return sql.STOP_STILL_LEASED if holder.mode == "lease" else sql.STOP_STILL_LOCKED
+
+
+def wait_for_end(
+    conn: Connection,
+    label: str,
+    holder: Holder,
+    wait: float,
+    *,
+    force: bool,
+    held: bool | None = None,
+) -> StopResult:
+    """Poll until ``holder`` no longer holds ``label``'s lock, or ``wait`` runs out.
+
+    ``held``: the first look, when it was already taken (request_stop's). With ``force``,
+    a run still holding its lock then has it taken away: its backend terminated (session
+    mode) or its lease deleted (lease mode).
+    """
+    params = _look_params(label, holder)
     deadline = time.monotonic() + wait
     while True:
-        row = conn.execute(
-            sql.STOP_STILL_LEASED if holder.mode == "lease" else sql.STOP_STILL_LOCKED, params
-        ).fetchone()
-        if not (row and row[0]):
+        if held is None:
+            row = conn.execute(_still_holding(holder), params).fetchone()
+            held = bool(row and row[0])
+        if not held:
             outcome = conn.execute(sql.STOP_OUTCOME, (holder.run_id,)).fetchone()
             if outcome is None:
                 return StopResult(ended=True)
@@ -213,6 +302,7 @@ def wait_for_end(
         if time.monotonic() >= deadline:
             break
         time.sleep(STOP_POLL)
+        held = None
     if not force:
         return StopResult(ended=False)
     take_away(conn, holder)
@@ -241,9 +331,10 @@ def pause(
     """
     params = {"key": label, "reason": reason, "for": seconds, "until": until, **who_asks()}
     if until is None:
-        row = _claimed(conn, sql.PAUSE, sql.PAUSE_UNCLAIMED, params)
+        found = _claimed(conn, sql.PAUSE, sql.PAUSE_UNCLAIMED, params)
     else:
-        row = _claimed(conn, sql.PAUSE_UNTIL, sql.PAUSE_UNTIL_UNCLAIMED, params)
+        found = _claimed(conn, sql.PAUSE_UNTIL, sql.PAUSE_UNTIL_UNCLAIMED, params)
+    row = found[0][0] if found[0] else None
     return (iso(row[0]), iso(row[1]), str(row[2])) if row else (None, None, None)
 
 

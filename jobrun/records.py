@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import errors
 
-from jobrun import control
+from jobrun import control, messages, sql
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError
 from jobrun.sql import records as statements
 
 if TYPE_CHECKING:
     import psycopg
+
+    from jobrun.locks import Holder
 
     Connection = psycopg.Connection[Any]
 
@@ -50,6 +52,58 @@ def ever_recorded(conn: Connection, label: str) -> bool:
         if row and row[0]:
             return True
     return control.holder_of(conn, label) is not None
+
+
+def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool | None]:
+    """The run holding ``label`` now (see control.holder_of); NeverRecorded for a typo.
+
+    And whether ``jobrun init`` made the run-label function (None: not asked), so that
+    ``control.verify_run`` need not try it in vain. One message where every table is there
+    and readable: whether the key was recorded, its lease holder, its session holder, the
+    function. Else the statements one by one, as ``require_recorded`` and ``holder_of``
+    send them (a missing table or grant costs only its own part).
+    """
+    params = {"key": label, "lock_ids": control.candidate_ids(label)}
+    try:
+        recorded, lease, session, labelled = messages.results(
+            conn,
+            [
+                statements.RECORDED_ANYWHERE,
+                sql.STOP_LEASE_HOLDER,
+                sql.SESSION_HOLDER_OF_ANY,
+                sql.RUN_LABEL_DEFINED,
+            ],
+            params,
+        )
+    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+        require_recorded(conn, label)
+        return control.holder_of(conn, label), None
+    holder = control.holder_among(label, _first(lease), _first(session))
+    if holder is None and not (recorded and recorded[0][0]):
+        raise NeverRecorded(label)
+    return holder, bool(labelled and labelled[0][0])
+
+
+def resume_if_recorded(conn: Connection, label: str) -> bool:
+    """End the pause of ``label`` (False: it was not paused); NeverRecorded for a typo.
+
+    One message where the tables are there and readable: whether the key was recorded, and
+    the resume itself (a key never recorded has no pause to delete: nothing is changed).
+    """
+    try:
+        recorded, resumed = messages.results(
+            conn, [statements.RECORDED_ANYWHERE, sql.RESUME_NAMED], {"key": label}
+        )
+    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+        require_recorded(conn, label)
+        return control.resume(conn, label)
+    if not (recorded and recorded[0][0]) and control.holder_of(conn, label) is None:
+        raise NeverRecorded(label)
+    return bool(resumed)
+
+
+def _first(rows: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    return rows[0] if rows else None
 
 
 def require_recorded(conn: Connection, label: str, *, unless: bool = False, hint: str = "") -> None:

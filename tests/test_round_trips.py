@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -31,6 +32,17 @@ SESSION_RUN = Calls(sessions=1, statements=6)
 SESSION_SKIP = Calls(sessions=1, statements=4)
 LEASE_RUN = Calls(sessions=2, statements=7)
 LEASE_SKIP = Calls(sessions=1, statements=6)
+
+# The subcommands, each over its one session (a key run once first, so that it is known).
+STATUS = Calls(sessions=1, statements=1)
+STATUS_KEY = Calls(sessions=1, statements=1)
+#: Where lease mode never ran (no jobrun.leases), the one message is sent again without it.
+STATUS_NO_LEASES = Calls(sessions=1, statements=2)
+HISTORY_KEY = Calls(sessions=1, statements=1)
+SHOW_KEY = Calls(sessions=1, statements=2)
+STOP_NO_WAIT = Calls(sessions=1, statements=3)
+PAUSE_KEY = Calls(sessions=1, statements=2)
+RESUME_KEY = Calls(sessions=1, statements=1)
 
 DBNAME = "round_trips"
 
@@ -116,6 +128,82 @@ class TestLeaseMode:
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
         assert calls == LEASE_SKIP, calls.explain()
+
+
+def ran(server: PgServer, key: str, *args: str) -> None:
+    """One run of ``key`` (``args`` before ``--``, the job ``true``), so that it is recorded."""
+    done = jobrun_cli.run(*SESSION_BEATS, *args, "--key", key, "--", "true", dsn=dsn(server))
+    assert done.returncode == 0, done.stderr
+
+
+class TestSubcommands:
+    """Each subcommand an operator runs sends its pinned count of statements, in one session."""
+
+    def test_status(self, logged_server, log, key):
+        """``status``: every read in one message."""
+        ran(logged_server, key)
+        calls = counted(log, logged_server, "status", status=0)
+        assert calls == STATUS, calls.explain()
+
+    def test_status_where_lease_mode_never_ran(self, logged_server, log, key):
+        """``status`` without jobrun.leases: the message, then the same without the leases."""
+        name = f"session_only_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(logged_server.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        only = logged_server.dsn(name)
+        done = jobrun_cli.run(*SESSION_BEATS, "--key", key, "--", "true", dsn=only)
+        assert done.returncode == 0, done.stderr
+        log.mark()
+        shown = jobrun_cli.run("status", dsn=only)
+        assert shown.returncode == 0, shown.stderr
+        assert key in shown.stdout
+        calls = log.calls()
+        assert calls == STATUS_NO_LEASES, calls.explain()
+
+    def test_status_of_a_key(self, logged_server, log, key):
+        """``status KEY``: every read in one message."""
+        ran(logged_server, key)
+        calls = counted(log, logged_server, "status", key, status=0)
+        assert calls == STATUS_KEY, calls.explain()
+
+    def test_history_of_a_key(self, logged_server, log, key):
+        """``history KEY``: the read and its timeouts in one message."""
+        ran(logged_server, key)
+        calls = counted(log, logged_server, "history", key, status=0)
+        assert calls == HISTORY_KEY, calls.explain()
+
+    def test_show_of_a_key(self, logged_server, log, key):
+        """``show KEY``: which run, then its kept output."""
+        failed = jobrun_cli.run(
+            *SESSION_BEATS, "--keep-output", "1KiB", "--key", key, "--", "false",
+            dsn=dsn(logged_server),
+        )  # fmt: skip
+        assert failed.returncode == 1, failed.stderr
+        calls = counted(log, logged_server, "show", key, status=0)
+        assert calls == SHOW_KEY, calls.explain()
+
+    def test_stop_without_waiting(self, logged_server, log, key, tmp_path):
+        """``stop KEY --wait 0s``: the check and holder, the run's label, the request and a look."""
+        holder = held(logged_server, tmp_path, *SESSION_BEATS, "--key", key)
+        try:
+            calls = counted(log, logged_server, "stop", key, "--wait", "0s", status=3)
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert calls == STOP_NO_WAIT, calls.explain()
+
+    def test_pause(self, logged_server, log, key):
+        """``pause KEY``: the typo check, then the pause."""
+        ran(logged_server, key)
+        calls = counted(log, logged_server, "pause", key, status=0)
+        assert calls == PAUSE_KEY, calls.explain()
+
+    def test_resume(self, logged_server, log, key):
+        """``resume KEY``: the typo check and the resume in one message."""
+        ran(logged_server, key)
+        done = jobrun_cli.run("pause", key, dsn=dsn(logged_server))
+        assert done.returncode == 0, done.stderr
+        calls = counted(log, logged_server, "resume", key, status=0)
+        assert calls == RESUME_KEY, calls.explain()
 
 
 #: The proxy's round trip in these tests: long enough to tell from no delay at all.

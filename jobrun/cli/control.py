@@ -68,8 +68,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
     ) as conn:
-        records.require_recorded(conn, key_label)
-        holder = control.holder_of(conn, key_label)
+        holder, labelled = records.held_if_recorded(conn, key_label)
         if holder is None:
             click.echo(f"jobrun: nothing holds {key_label}", err=True)
             return int(Exit.ATTENTION)
@@ -84,10 +83,10 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        addressed = control.verify_run(conn, key_label, holder)
-        by = control.request_stop(conn, addressed, holder, reason)
-        click.echo(f"asked {who} to stop (as role {printable(by)})", err=True)
-        result = control.wait_for_end(conn, key_label, holder, wait, force=force)
+        addressed = control.verify_run(conn, key_label, holder, labelled=labelled)
+        asked = control.request_stop(conn, addressed, holder, reason, key_label)
+        click.echo(f"asked {who} to stop (as role {printable(asked.by)})", err=True)
+        result = control.wait_for_end(conn, key_label, holder, wait, force=force, held=asked.held)
     if result.ended:
         how = f": {result.outcome} (exit {result.exit_code})" if result.outcome else ""
         click.echo(f"{key_label}: {who} ended{how}")
@@ -162,14 +161,13 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
 @options.database
 def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
     """End the pause of KEY: its next run goes ahead."""
-    from jobrun import control, keys, records
+    from jobrun import keys, records
 
     key_label = keys.normalized_label(key_label)
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-resume", doing="resuming the key"
     ) as conn:
-        records.require_recorded(conn, key_label)
-        was_paused = control.resume(conn, key_label)
+        was_paused = records.resume_if_recorded(conn, key_label)
     click.echo(f"resumed {key_label}" if was_paused else f"{key_label} was not paused")
     return 0
 

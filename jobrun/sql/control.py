@@ -89,6 +89,8 @@ STOP_REQUEST_OF = "SELECT username, key FROM jobrun.stop_requests WHERE run_id =
 #: which row-level security does not narrow), or, before init, the table itself.
 RUN_LABEL = "SELECT jobrun.run_label(%s::uuid)"
 RUN_LABEL_VISIBLE = "SELECT key FROM jobrun.runs WHERE run_id = %s::uuid"
+#: Whether ``jobrun init`` made run_label (else RUN_LABEL fails: the table itself is asked).
+RUN_LABEL_DEFINED = "SELECT to_regprocedure('jobrun.run_label(uuid)') IS NOT NULL"
 
 #: Stop requests whose run has ended (no lease or session of it can still read them).
 STOP_REQUESTS_PRUNE = """
@@ -98,7 +100,7 @@ DELETE FROM jobrun.stop_requests WHERE requested_at < clock_timestamp() - interv
 #: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row.
 STOP_LEASE_HOLDER = """
 SELECT owner::text, host, pid, key FROM jobrun.leases
-WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
+WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND expires_at > clock_timestamp()
 ORDER BY lock_id LIMIT 1
 """
 
@@ -148,6 +150,7 @@ PAUSE_UNTIL_UNCLAIMED = _PAUSE.format(until=_UNTIL, **_NO_CLAIM)
 
 #: ``jobrun resume``: end the pause of a key (the row it deleted, if any).
 RESUME = "DELETE FROM jobrun.pauses WHERE key = %s RETURNING paused_at, until"
+RESUME_NAMED = "DELETE FROM jobrun.pauses WHERE key = %(key)s RETURNING paused_at, until"
 
 #: The pauses in force for these keys (a history message's part, or a statement of its own).
 PAUSES_IN_FORCE = """

@@ -11,6 +11,13 @@ SELECT EXISTS (SELECT 1 FROM jobrun.pauses WHERE key = %(key)s)
     OR EXISTS (SELECT 1 FROM jobrun.expectations WHERE key = %(key)s)
 """
 
+#: Both of the above in one statement: where every table is there and readable.
+RECORDED_ANYWHERE = """
+SELECT EXISTS (SELECT 1 FROM jobrun.runs WHERE key = %(key)s)
+    OR EXISTS (SELECT 1 FROM jobrun.pauses WHERE key = %(key)s)
+    OR EXISTS (SELECT 1 FROM jobrun.expectations WHERE key = %(key)s)
+"""
+
 #: ``forget``: inside its transaction, every lock id of the key (and of its slots) taken
 #: transaction-scoped. It fails while a session-mode run holds one, and while it is held
 #: no run of the key can start in either mode (lease mode takes the same ids first).

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
-from psycopg.rows import dict_row
 
-from jobrun import db, keys, sql
+from jobrun import db, keys, messages, sql
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
@@ -157,14 +156,15 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     """Status of ``labels``, or of every key in history, leased or held by a jobrun session."""
     notes: list[str] = []
     unreadable: list[str] = []
-    history = _history(conn, labels, notes, unreadable)
-    leases = _leases(conn, notes, unreadable)
-    advisory, roles = _advisory(conn)
+    reads = _read_at_once(conn, labels) or _read_apart(conn, labels, notes, unreadable)
+    history = _history(reads.history)
+    leases = _leases(reads.leases)
+    advisory, roles = _advisory(reads.advisory)
     rows: dict[str, KeyStatus] = {}
     for label in labels or history:
         found = history.get(label)
         rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
-    controls = _controls(conn, labels, notes, unreadable)
+    controls = _controls(reads.pauses, reads.expectations, reads.running)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
         for label in controls:
@@ -183,6 +183,81 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     _add_roles(rows.values(), roles)
     ordered = list(rows.values()) if labels else sorted(rows.values(), key=lambda row: row.key)
     return Report(keys=ordered, notes=notes, unreadable=unreadable)
+
+
+@dataclass
+class _Reads:
+    """The rows status is made of, one list per read (empty: nothing there, or refused)."""
+
+    history: list[Row] = field(default_factory=list)
+    leases: list[Row] = field(default_factory=list)
+    advisory: list[Row] = field(default_factory=list)
+    pauses: list[Row] = field(default_factory=list)
+    expectations: list[Row] = field(default_factory=list)
+    running: list[Row] = field(default_factory=list)
+
+
+#: The reads of ``status``, in the order of ``_Reads``' fields.
+_ALL_READS = (
+    sql.STATUS_HISTORY,
+    sql.STATUS_LEASES,
+    sql.STATUS_ADVISORY_LOCKS,
+    sql.STATUS_PAUSES,
+    sql.STATUS_EXPECTATIONS,
+    sql.STATUS_RUNNING,
+)
+
+
+def _read_at_once(conn: Connection, labels: Sequence[str]) -> _Reads | None:
+    """Every read in ONE message (one round trip), or None when one of them failed.
+
+    A database that never saw lease mode has no jobrun.leases: then the same without it
+    (one round trip more). Anything else missing or refused is left to ``_read_apart``,
+    which reads table by table, so that a missing grant costs only that table's part.
+    """
+    params = {"all": not labels, "keys": list(labels)}
+    for leases in (True, False):
+        queries = [query for query in _ALL_READS if leases or query != sql.STATUS_LEASES]
+        try:
+            found = _read_many(conn, queries, params)
+        except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+            continue
+        if not leases:
+            found.insert(1, [])
+        return _Reads(*found)
+    return None
+
+
+def _read_apart(
+    conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
+) -> _Reads:
+    """Each table on its own: what is missing or refused is noted and left empty."""
+    params = {"all": not labels, "keys": list(labels)}
+    reads = _Reads()
+    try:
+        reads.history = _read(conn, sql.STATUS_HISTORY, params)
+    except errors.UndefinedTable:
+        notes.append("no run history yet (the jobrun.runs table does not exist)")
+    except errors.InsufficientPrivilege as exc:
+        _refused("run history", exc, notes, unreadable)
+    try:
+        reads.leases = _read(conn, sql.STATUS_LEASES)
+    except errors.UndefinedTable:
+        pass
+    except errors.InsufficientPrivilege as exc:
+        _refused("leases", exc, notes, unreadable)
+    reads.advisory = _read(conn, sql.STATUS_ADVISORY_LOCKS)
+    try:
+        controls = _read_many(
+            conn, [sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING], params
+        )
+    except errors.UndefinedTable:
+        pass
+    except errors.InsufficientPrivilege as exc:
+        _refused("pauses and expectations", exc, notes, unreadable)
+    else:
+        reads.pauses, reads.expectations, reads.running = controls
+    return reads
 
 
 def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
@@ -229,18 +304,8 @@ def _refused(what: str, exc: Exception, notes: list[str], unreadable: list[str])
     unreadable.append(what)
 
 
-def _history(
-    conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
-) -> dict[str, KeyStatus]:
-    params = {"all": not labels, "keys": list(labels)}
-    try:
-        rows = _read(conn, sql.STATUS_HISTORY, params)
-    except errors.UndefinedTable:
-        notes.append("no run history yet (the jobrun.runs table does not exist)")
-        return {}
-    except errors.InsufficientPrivilege as exc:
-        _refused("run history", exc, notes, unreadable)
-        return {}
+def _history(rows: list[Row]) -> dict[str, KeyStatus]:
+    """One KeyStatus per key of the history rows (STATUS_HISTORY)."""
     found: dict[str, KeyStatus] = {}
     for row in rows:
         label = row["key"]
@@ -262,20 +327,8 @@ def _history(
     return found
 
 
-def _controls(
-    conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
-) -> dict[str, Row]:
+def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) -> dict[str, Row]:
     """Pauses, expectations and running runs: status fields by key label."""
-    params = {"all": not labels, "keys": list(labels)}
-    try:
-        pauses = _read(conn, sql.STATUS_PAUSES, params)
-        expectations = _read(conn, sql.STATUS_EXPECTATIONS, params)
-        running = _read(conn, sql.STATUS_RUNNING, params)
-    except errors.UndefinedTable:
-        return {}
-    except errors.InsufficientPrivilege as exc:
-        _refused("pauses and expectations", exc, notes, unreadable)
-        return {}
     found: dict[str, Row] = {}
     for pause in pauses:
         found.setdefault(pause["key"], {})["paused"] = {
@@ -299,23 +352,24 @@ def _controls(
 
 
 def _read(conn: Connection, query: str, params: dict[str, Any] | None = None) -> list[Row]:
-    """The rows of one read of the history, in a transaction of its own with a timeout."""
-    with conn.transaction():
-        conn.execute(sql.RUNS_TIMEOUTS, {"ms": _STATEMENT_TIMEOUT_MS})
-        return conn.cursor(row_factory=dict_row).execute(query, params).fetchall()
+    """The rows of one read, with the history's timeouts: one message, one round trip."""
+    return _read_many(conn, [query], params or {})[0]
 
 
-def _leases(
-    conn: Connection, notes: list[str], unreadable: list[str]
-) -> dict[int, tuple[str | None, Holder]]:
+def _read_many(conn: Connection, queries: Sequence[str], params: dict[str, Any]) -> list[list[Row]]:
+    """The rows of each query, sent as ONE message with the history's timeouts first.
+
+    One implicit transaction: the timeouts (local to it) end with it, and an error in any
+    statement fails the whole.
+    """
+    found = messages.dict_results(
+        conn, [sql.RUNS_TIMEOUTS, *queries], {**params, "ms": _STATEMENT_TIMEOUT_MS}
+    )
+    return found[1:]
+
+
+def _leases(rows: list[Row]) -> dict[int, tuple[str | None, Holder]]:
     """Unexpired leases by lock id, with the key label each was taken under."""
-    try:
-        rows = _read(conn, sql.STATUS_LEASES)
-    except errors.UndefinedTable:
-        return {}
-    except errors.InsufficientPrivilege as exc:
-        _refused("leases", exc, notes, unreadable)
-        return {}
     return {
         row["lock_id"]: (
             row["key"],
@@ -333,17 +387,14 @@ def _leases(
     }
 
 
-def _advisory(
-    conn: Connection,
-) -> tuple[dict[int, tuple[str | None, Holder]], dict[int, str]]:
+def _advisory(rows: list[Row]) -> tuple[dict[int, tuple[str | None, Holder]], dict[int, str]]:
     """Granted advisory locks by lock id, and each holding backend's database role.
 
     The label is known for jobrun sessions only.
     """
     held: dict[int, tuple[str | None, Holder]] = {}
     roles: dict[int, str] = {}
-    cursor = conn.cursor(row_factory=dict_row)
-    for row in cursor.execute(sql.STATUS_ADVISORY_LOCKS).fetchall():
+    for row in rows:
         if row["usename"] is not None:
             roles[row["pid"]] = str(row["usename"])
         lock_id: int = row["lock_id"]
