@@ -9,10 +9,9 @@ from jobrun.status.collect import (
     Report,
     collect,
     lock_ids_of,
-    overlapping,
-    runs_of,
 )
 from jobrun.status.render import check_lines, history_table, overlap_table, status_table
+from jobrun.status.runs import overlapping, runs_of
 
 __all__ = [
     "STUCK_FACTOR",

@@ -26,8 +26,7 @@ _LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
 _APP_PREFIX = "jobrun:"
 #: History statements of ``status``/``history`` give up after this long.
 _STATEMENT_TIMEOUT_MS = "30000"
-#: A run is stuck past this many times its typical duration, and at least this many
-#: seconds past it.
+#: A run is stuck past this many times its typical duration, and this many seconds past it.
 STUCK_FACTOR = 3.0
 STUCK_MINIMUM = 60.0
 
@@ -198,14 +197,8 @@ class _Reads:
 
 
 #: The reads of ``status``, in the order of ``_Reads``' fields.
-_ALL_READS = (
-    sql.STATUS_HISTORY,
-    sql.STATUS_LEASES,
-    sql.STATUS_ADVISORY_LOCKS,
-    sql.STATUS_PAUSES,
-    sql.STATUS_EXPECTATIONS,
-    sql.STATUS_RUNNING,
-)
+_ALL_READS: tuple[str, ...] = (sql.STATUS_HISTORY, sql.STATUS_LEASES, sql.STATUS_ADVISORY_LOCKS)
+_ALL_READS += (sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING)
 
 
 def _read_at_once(conn: Connection, labels: Sequence[str]) -> _Reads | None:
@@ -235,18 +228,18 @@ def _read_apart(
     params = {"all": not labels, "keys": list(labels)}
     reads = _Reads()
     try:
-        reads.history = _read(conn, sql.STATUS_HISTORY, params)
+        reads.history = read_rows(conn, sql.STATUS_HISTORY, params)
     except errors.UndefinedTable:
         notes.append("no run history yet (the jobrun.runs table does not exist)")
     except errors.InsufficientPrivilege as exc:
         _refused("run history", exc, notes, unreadable)
     try:
-        reads.leases = _read(conn, sql.STATUS_LEASES)
+        reads.leases = read_rows(conn, sql.STATUS_LEASES)
     except errors.UndefinedTable:
         pass
     except errors.InsufficientPrivilege as exc:
         _refused("leases", exc, notes, unreadable)
-    reads.advisory = _read(conn, sql.STATUS_ADVISORY_LOCKS)
+    reads.advisory = read_rows(conn, sql.STATUS_ADVISORY_LOCKS)
     try:
         controls = _read_many(
             conn, [sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING], params
@@ -316,10 +309,10 @@ def _history(rows: list[Row]) -> dict[str, KeyStatus]:
             last_exit_code=row["exit_code"],
             last_started_at=iso(row["started_at"]),
             last_finished_at=iso(row["finished_at"]),
-            last_duration=_seconds(row["duration"]),
+            last_duration=rounded_seconds(row["duration"]),
             last_deadlocks=row["deadlocks"],
             last_success_at=iso(row["last_success_at"]),
-            typical_duration=_seconds(row["typical_duration"]),
+            typical_duration=rounded_seconds(row["typical_duration"]),
             skip_streak=row["skip_streak"],
             failure_streak=row["failure_streak"],
             last_skip_at=iso(row["last_skip_at"]),
@@ -347,11 +340,11 @@ def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) ->
             last_success_started_at=iso(expected["last_success_started_at"]),
         )
     for run in running:
-        found.setdefault(run["key"], {})["running_for"] = _seconds(run["running_for"])
+        found.setdefault(run["key"], {})["running_for"] = rounded_seconds(run["running_for"])
     return found
 
 
-def _read(conn: Connection, query: str, params: dict[str, Any] | None = None) -> list[Row]:
+def read_rows(conn: Connection, query: str, params: dict[str, Any] | None = None) -> list[Row]:
     """The rows of one read, with the history's timeouts: one message, one round trip."""
     return _read_many(conn, [query], params or {})[0]
 
@@ -438,47 +431,8 @@ def _slot_ids(name: str) -> frozenset[int]:
     return frozenset(slot_lock_id(name, slot) for slot in range(MAX_SLOTS))
 
 
-def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
-    """The newest ``limit`` rows of ``label`` (None when there is no history table yet)."""
-    try:
-        rows = _read(conn, sql.RUNS_OF_KEY, {"key": label, "limit": limit})
-    except errors.UndefinedTable:
-        return None
-    for run in rows:
-        run.update(
-            run_id=str(run["run_id"]),
-            lock_ids=list(run["lock_ids"] or []),
-            started_at=iso(run["started_at"]),
-            finished_at=iso(run["finished_at"]),
-            duration=_seconds(run["duration"]),
-        )
-    return rows
-
-
-def overlapping(
-    conn: Connection, label: str, other: str, *, since: float | None, limit: int
-) -> list[dict[str, object]] | None:
-    """Runs of ``label`` whose window intersected a run of ``other``, newest first.
-
-    ``since``: only runs of ``label`` that started at most that many seconds ago.
-    One row per pair (a long run can overlap several), each side's start, end, host,
-    outcome and deadlocks, and how many seconds they overlapped. None: no history table.
-    """
-    params = {"key": label, "other": other, "since": since, "limit": limit}
-    try:
-        rows = _read(conn, sql.RUNS_OVERLAPPING, params)
-    except errors.UndefinedTable:
-        return None
-    for pair in rows:
-        for side in ("", "other_"):
-            pair[f"{side}run_id"] = str(pair[f"{side}run_id"])
-            pair[f"{side}started_at"] = iso(pair[f"{side}started_at"])
-            pair[f"{side}finished_at"] = iso(pair[f"{side}finished_at"])
-        pair["overlap"] = _seconds(pair["overlap"])
-    return rows
-
-
-def _seconds(value: float | None) -> float | None:
+def rounded_seconds(value: float | None) -> float | None:
+    """Seconds to the millisecond, as status and history show them."""
     return None if value is None else round(value, 3)
 
 

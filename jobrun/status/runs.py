@@ -1,0 +1,56 @@
+"""``jobrun history``: the recent runs of a key, and the runs that overlapped another key's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from psycopg import errors
+
+from jobrun import sql
+from jobrun.history.config import iso
+from jobrun.status.collect import read_rows, rounded_seconds
+
+if TYPE_CHECKING:
+    import psycopg
+
+    Connection = psycopg.Connection[Any]
+
+
+def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]] | None:
+    """The newest ``limit`` rows of ``label`` (None when there is no history table yet)."""
+    try:
+        rows = read_rows(conn, sql.RUNS_OF_KEY, {"key": label, "limit": limit})
+    except errors.UndefinedTable:
+        return None
+    for run in rows:
+        run.update(
+            run_id=str(run["run_id"]),
+            lock_ids=list(run["lock_ids"] or []),
+            started_at=iso(run["started_at"]),
+            finished_at=iso(run["finished_at"]),
+            duration=rounded_seconds(run["duration"]),
+        )
+    return rows
+
+
+def overlapping(
+    conn: Connection, label: str, other: str, *, since: float | None, limit: int
+) -> list[dict[str, object]] | None:
+    """Runs of ``label`` whose window intersected a run of ``other``, newest first.
+
+    ``since``: only runs of ``label`` that started at most that many seconds ago.
+    One row per pair (a long run can overlap several), each side's start, end, host,
+    outcome and deadlocks, and how many seconds they overlapped. None: no history table.
+    """
+    params = {"key": label, "other": other, "since": since, "limit": limit}
+    try:
+        rows = read_rows(conn, sql.RUNS_OVERLAPPING, params)
+    except errors.UndefinedTable:
+        return None
+    for pair in rows:
+        for side in ("", "other_"):
+            pair[f"{side}run_id"] = str(pair[f"{side}run_id"])
+            pair[f"{side}started_at"] = iso(pair[f"{side}started_at"])
+            pair[f"{side}finished_at"] = iso(pair[f"{side}finished_at"])
+        pair["overlap"] = rounded_seconds(pair["overlap"])
+    return rows
