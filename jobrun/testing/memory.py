@@ -1,0 +1,168 @@
+"""A Lock that lives in this process, for fast tests: no server, the Protocol of the real modes.
+
+Two ``MemoryLock`` over one ``MemoryStore`` contend as two runs on one database would; the
+store can take a lock away (``take_away``) or be down (``down = True``), so ``check`` and
+``acquire`` fail the way the real modes do. tests/test_lock_contract.py runs the same tests
+over this lock and the real ones, so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jobrun import db
+from jobrun.exitcodes import LockLost, LockStoreUnavailable
+from jobrun.keys import describe
+from jobrun.locks import Holder, Identity, new_run_id
+from jobrun.session import ServerSession
+
+if TYPE_CHECKING:
+    from jobrun.keys import Key
+
+#: How a memory lock says it holds a key (``Holder.mode``).
+MODE = "memory"
+
+
+@dataclass(frozen=True)
+class _Held:
+    """One key's holder in the store: which lock object, and who it runs as."""
+
+    owner: object
+    label: str
+    identity: Identity
+
+
+class MemoryStore:
+    """The shared "database": lock id -> holder, guarded by one ``threading.Lock``."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._held: dict[int, _Held] = {}
+        #: True: every acquire and check raises LockStoreUnavailable (the server is gone).
+        self.down = False
+
+    def take_away(self, lock_id: int) -> None:
+        """Free ``lock_id`` under its holder's feet (a terminated backend, a deleted lease)."""
+        with self._changed:
+            self._held.pop(lock_id, None)
+            self._changed.notify_all()
+
+    def held(self) -> dict[int, str]:
+        """Lock id -> the run id holding it, as ``status`` would list them."""
+        with self._changed:
+            return {lock_id: held.identity.run_id for lock_id, held in self._held.items()}
+
+    def _unavailable(self) -> None:
+        if self.down:
+            raise LockStoreUnavailable("the memory lock store is down", reason="unreachable")
+
+    def take(
+        self, owner: object, keys: tuple[Key, ...], identity: Identity, wait: float
+    ) -> _Held | None:
+        """Every key for ``owner`` (None), or the first one's holder once ``wait`` is over."""
+        deadline = time.monotonic() + wait
+        with self._changed:
+            while True:
+                self._unavailable()
+                blocker = next(
+                    (
+                        held
+                        for key in keys
+                        if (held := self._held.get(key.lock_id)) is not None
+                        and held.owner is not owner
+                    ),
+                    None,
+                )
+                if blocker is None:
+                    for key in keys:
+                        self._held[key.lock_id] = _Held(owner, key.label, identity)
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return blocker
+                self._changed.wait(remaining)
+
+    def still_held(self, owner: object, keys: tuple[Key, ...]) -> int:
+        """How many of ``keys`` ``owner`` still holds (down: LockStoreUnavailable)."""
+        with self._changed:
+            self._unavailable()
+            return sum(
+                1
+                for key in keys
+                if (held := self._held.get(key.lock_id)) is not None and held.owner is owner
+            )
+
+    def free(self, owner: object, keys: tuple[Key, ...]) -> None:
+        """Free those of ``keys`` ``owner`` still holds (never another's)."""
+        with self._changed:
+            for key in keys:
+                held = self._held.get(key.lock_id)
+                if held is not None and held.owner is owner:
+                    del self._held[key.lock_id]
+            self._changed.notify_all()
+
+
+class MemoryLock:
+    """``keys`` taken all or none in ``store``; the ``Lock`` Protocol of ``jobrun.locks``."""
+
+    def __init__(
+        self,
+        keys: tuple[Key, ...],
+        store: MemoryStore,
+        identity: Identity | None = None,
+        *,
+        lifetime: float = 10.0,
+    ) -> None:
+        self._keys = keys
+        self._store = store
+        self._identity = identity or Identity(run_id=new_run_id(), pid=os.getpid())
+        self.confirmation_lifetime = lifetime
+        self.confirmed_at = 0.0
+        self.stop_request: dict[str, object] | None = None
+        self.slot: tuple[int, int] | None = None
+
+    def acquire(self, wait: float) -> Holder | None:
+        """Take every key (None) or none (the first key's holder), waiting up to ``wait``."""
+        blocker = self._store.take(self, self._keys, self._identity, wait)
+        if blocker is None:
+            self.confirmed_at = time.monotonic()
+            return None
+        who = blocker.identity
+        return Holder(
+            key=blocker.label,
+            mode=MODE,
+            host=who.host,
+            pid=who.pid,
+            run_id=who.run_id,
+            since=who.started.isoformat(timespec="seconds"),
+        )
+
+    def check(self) -> None:
+        """Still ours: every key held by this lock; else LockLost (down: unavailable)."""
+        ours = self._store.still_held(self, self._keys)
+        if ours != len(self._keys):
+            raise LockLost(
+                f"the memory lock on {describe(self._keys)} was taken away"
+                f" ({ours} of {len(self._keys)} still ours)"
+            )
+
+    def known_lost(self) -> str | None:
+        """As a lease: a loss shows only when checked."""
+        return None
+
+    def release(self) -> None:
+        """Free the keys still ours (never another's); never raises, even when down."""
+        self._store.free(self, self._keys)
+
+
+def serverless_session() -> ServerSession:
+    """A run's session that is never opened: what the runner closes and rests around a memory lock.
+
+    Not held and lending nothing, so the runner's ``rest``/``resume``/``close`` and the
+    watchdog's pauses never connect.
+    """
+    return ServerSession(db.Target(dsn=""), app_name="jobrun:memory", held=False, lends=False)
