@@ -8,7 +8,9 @@ over this lock and the real ones, so it cannot drift from them.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +23,13 @@ from jobrun.locks import Holder, Identity, new_run_id
 from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from structlog.typing import FilteringBoundLogger
+
     from jobrun.keys import Key
+    from jobrun.listeners import Listener
+    from jobrun.runner import Job
 
 #: How a memory lock says it holds a key (``Holder.mode``).
 MODE = "memory"
@@ -119,7 +127,8 @@ class MemoryLock:
     ) -> None:
         self._keys = keys
         self._store = store
-        self._identity = identity or Identity(run_id=new_run_id(), pid=os.getpid())
+        #: Who the lock runs as (a run's identity: its run id names it as a holder).
+        self.identity = identity or Identity(run_id=new_run_id(), pid=os.getpid())
         self.confirmation_lifetime = lifetime
         self.confirmed_at = 0.0
         self.stop_request: dict[str, object] | None = None
@@ -127,7 +136,7 @@ class MemoryLock:
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key (None) or none (the first key's holder), waiting up to ``wait``."""
-        blocker = self._store.take(self, self._keys, self._identity, wait)
+        blocker = self._store.take(self, self._keys, self.identity, wait)
         if blocker is None:
             self.confirmed_at = time.monotonic()
             return None
@@ -166,3 +175,53 @@ def serverless_session() -> ServerSession:
     watchdog's pauses never connect.
     """
     return ServerSession(db.Target(dsn=""), app_name="jobrun:memory", held=False, lends=False)
+
+
+def run_in_process(
+    job: Job,
+    lock: MemoryLock,
+    log: FilteringBoundLogger,
+    *,
+    listeners: Sequence[Listener] = (),
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """``runner.run`` in this process: ``lock``, no server, no history; its exit status.
+
+    What assembly would add around the runner is left out: a session that is never opened,
+    a history that records nothing. WARNING: the runner leaves its process a subreaper and
+    its wake-up signal ignored (a run's process exits next); a test process runs on, so
+    both are put back here.
+    """
+    from jobrun import runner, supervise  # noqa: PLC0415 - heavy for an import of the lock
+    from jobrun.history.notify import NoHistory  # noqa: PLC0415
+
+    wake = signal.getsignal(supervise.WAKE)
+    try:
+        return runner.run(
+            job,
+            lock=lock,
+            session=serverless_session(),
+            identity=lock.identity,
+            environ=dict(os.environ if environ is None else environ),
+            log=log,
+            history=NoHistory(),
+            listeners=listeners,
+        )
+    finally:
+        signal.signal(supervise.WAKE, wake)
+        _no_longer_subreaper()
+
+
+def _no_longer_subreaper() -> None:
+    """Orphans go to init again, not to this process (Linux; elsewhere there is nothing to undo)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    prctl = getattr(libc, "prctl", None)
+    if prctl is not None:
+        prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+#: prctl(2): whether orphaned descendants are re-parented to this process.
+_PR_SET_CHILD_SUBREAPER = 36
