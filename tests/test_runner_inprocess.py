@@ -6,8 +6,11 @@ opened, no history); its events are captured from the logger it is handed.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +18,7 @@ import pytest
 import structlog
 from structlog.testing import LogCapture
 
-from jobrun import keys
+from jobrun import keys, supervise
 from jobrun.exitcodes import Exit
 from jobrun.listeners import Listener
 from jobrun.procs import process_gone
@@ -308,6 +311,36 @@ class TestListenerOrder:
             job, lock_for(job, store), log, listeners=[TakeAwayOnStart(store, job), heard]
         )
         assert heard.heard == ["started", "finished:lock_lost:76:SIGTERM", "released:76"]
+
+
+def _is_subreaper() -> bool:
+    """Whether orphaned descendants are re-parented to this process (prctl, Linux)."""
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
+
+
+#: prctl(2): read whether this process is a subreaper.
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+class TestRunInProcess:
+    """Running the runner in the test process leaves the process as it was."""
+
+    @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+    def test_the_process_is_no_subreaper_after_a_run(self, job, store, log):
+        """The runner makes its process a subreaper; run_in_process undoes it."""
+        assert run_in_process(job, lock_for(job, store), log) == 0
+        assert not _is_subreaper()
+
+    def test_the_wake_up_signal_is_put_back(self, job, store, log):
+        """The runner ignores its wake-up signal from then on; run_in_process restores it."""
+        previous = signal.signal(supervise.WAKE, signal.SIG_DFL)
+        try:
+            assert run_in_process(job, lock_for(job, store), log) == 0
+            assert signal.getsignal(supervise.WAKE) == signal.SIG_DFL
+        finally:
+            signal.signal(supervise.WAKE, previous)
 
 
 def test_no_runner_thread_is_left_behind() -> None:
