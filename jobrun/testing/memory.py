@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
+import select
 import signal
 import threading
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from jobrun import db
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
@@ -23,13 +27,15 @@ from jobrun.locks import Holder, Identity, new_run_id
 from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.keys import Key
     from jobrun.listeners import Listener
     from jobrun.runner import Job
+
+T = TypeVar("T")
 
 #: How a memory lock says it holds a key (``Holder.mode``).
 MODE = "memory"
@@ -225,3 +231,48 @@ def _no_longer_subreaper() -> None:
 
 #: prctl(2): whether orphaned descendants are re-parented to this process.
 _PR_SET_CHILD_SUBREAPER = 36
+
+
+def forked(work: Callable[[], T], *, timeout: float) -> T:
+    """``work()`` in a fork of this process with one thread; its (picklable) result here.
+
+    WARNING: the runner waits for the child's exit signal in its main thread with every
+    thread blocking it; a test process may run threads of its own (pytest-xdist's channel)
+    that would take the signal instead, and the run would not see its child end. A fork
+    has the forking thread alone. ``timeout``: seconds after which the fork is killed (its
+    child dies with it) and TimeoutError raised.
+    """
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # a fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the fork reports over the pipe, then vanishes
+        os.close(read_fd)
+        try:
+            payload = pickle.dumps((True, work()))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the test
+            payload = pickle.dumps((False, "".join(traceback.format_exception(exc))))
+        with os.fdopen(write_fd, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout
+    chunks = []
+    with os.fdopen(read_fd, "rb") as answer:
+        while True:
+            ready, _, _ = select.select([answer], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                msg = f"the fork did not answer within {timeout} s"
+                raise TimeoutError(msg)
+            chunk = os.read(answer.fileno(), 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    os.waitpid(pid, 0)
+    ok, value = pickle.loads(b"".join(chunks))  # noqa: S301 - our own fork's answer
+    if not ok:
+        msg = f"the fork failed:\n{value}"
+        raise AssertionError(msg)
+    return value  # type: ignore[no-any-return]
