@@ -402,4 +402,3 @@ class TestForked:
         """A fork that never answers: TimeoutError at the timeout, the fork killed."""
         with pytest.raises(TimeoutError):
             forked(lambda: time.sleep(300), timeout=HEARTBEAT)
-
