@@ -61,7 +61,19 @@ def pytest_report_header() -> list[str]:
 
 #: A test is marked by what it uses, so ``-m "not pg"`` is always the tier without a server.
 MARKS_FROM_FIXTURES = {
-    "pg": ("pg_admin_dsn", "private_server_factory", "pgbouncer", "pair", "staging"),
+    "pg": (
+        "pg_admin_dsn",
+        "private_server_factory",
+        "pgbouncer",
+        "pair",
+        "staging",
+        # Module fixtures that start a private server of their own (logs, TLS, the demo's).
+        "logging_server",
+        "logged_server",
+        "tls_server",
+        "demo_dsn",
+        "night",
+    ),
     "fault": ("private_server_factory", "pair"),
 }
 

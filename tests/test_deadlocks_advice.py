@@ -52,7 +52,7 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[PgServer]:
+def logging_server() -> Iterator[PgServer]:
     """A private server logging to a stderr file, with a short deadlock_timeout."""
     started = PgServer.start(
         {
@@ -100,17 +100,17 @@ class TestSuggestion:
     """Each shape of deadlock, as the server logged it, gets its own suggested fix."""
 
     @pytest.mark.parametrize("name", list(SHAPES), ids=list(SHAPES))
-    def test_shape_from_the_log(self, server, tmp_path, name):
+    def test_shape_from_the_log(self, logging_server, tmp_path, name):
         """The suggestion's shape is the one the log allows telling."""
-        found = deadlocks.find([str(logged(server, name, tmp_path))])
+        found = deadlocks.find([str(logged(logging_server, name, tmp_path))])
         assert found.deadlocks, deadlocks.report(found)
         suggestion = suggest(found.deadlocks[0])
         assert suggestion is not None, deadlocks.report(found)
         assert suggestion.shape == SHAPES[name], deadlocks.report(found)
 
-    def test_report_labels_it_and_json_carries_it(self, server, tmp_path):
+    def test_report_labels_it_and_json_carries_it(self, logging_server, tmp_path):
         """``suggested fix (...):`` under the deadlock; ``suggested_fix`` in --json."""
-        part = logged(server, "advisory locks in opposite order", tmp_path)
+        part = logged(logging_server, "advisory locks in opposite order", tmp_path)
         found = deadlocks.find([str(part)])
         text = deadlocks.report(found)
         assert (

@@ -1,0 +1,249 @@
+"""One contract over every Lock: the in-memory one of the fast tests and the two real modes.
+
+The same tests run against ``memory`` (no server: in the ``-m "not pg"`` tier), ``session``
+and ``lease`` (the test server): the fake cannot drift from what the real locks do.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Protocol
+
+import psycopg
+import pytest
+import structlog
+
+from jobrun import db, keys
+from jobrun.exitcodes import LockLost, LockStoreUnavailable
+from jobrun.locks import Identity, Lock, new_run_id
+from jobrun.locks.lease import LeaseLock
+from jobrun.locks.session import SessionLock, holder_comment
+from jobrun.session import ServerSession
+from jobrun.testing.memory import MemoryLock, MemoryStore
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+#: Pids the locks claim to run as: each lock its own, so a holder names the right one.
+_PIDS = itertools.count(40_001)
+
+
+class Locks(Protocol):
+    """Locks of one mode over one store, as separate runs would hold them."""
+
+    def make(self, *names: str) -> tuple[Lock, Identity]:
+        """A new lock on the keys ``names`` (not yet acquired), and who it runs as."""
+        ...
+
+    def take_away(self, name: str) -> None:
+        """Lose key ``name`` under its holder, as this mode loses a lock in real life."""
+        ...
+
+
+def _identity() -> Identity:
+    return Identity(run_id=new_run_id(), pid=next(_PIDS))
+
+
+class MemoryLocks:
+    """MemoryLocks over one MemoryStore."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+
+    def make(self, *names: str) -> tuple[Lock, Identity]:
+        identity = _identity()
+        lock_keys = tuple(keys.from_name(name) for name in names)
+        return MemoryLock(lock_keys, self.store, identity), identity
+
+    def take_away(self, name: str) -> None:
+        self.store.take_away(keys.lock_id_for(name))
+
+    def close(self) -> None:
+        """Nothing to close: the store goes with the test."""
+
+
+class ServerLocks:
+    """SessionLocks or LeaseLocks, each over a ServerSession of its own, as a run has."""
+
+    def __init__(self, mode: str, dsn: str) -> None:
+        self.mode = mode
+        self.dsn = dsn
+        self._made: list[tuple[Lock, ServerSession]] = []
+
+    def make(self, *names: str) -> tuple[Lock, Identity]:
+        identity = _identity()
+        lock_keys = tuple(keys.from_name(name) for name in names)
+        target = db.Target(dsn=self.dsn)
+        log = structlog.get_logger()
+        lock: Lock
+        if self.mode == "session":
+            session = ServerSession(
+                target, app_name="jobrun:test", held=True, comment=holder_comment(identity)
+            )
+            lock = SessionLock(lock_keys, session, identity, log, heartbeat=1.0, kill_after=10.0)
+        else:
+            session = ServerSession(target, app_name="jobrun:test", held=False)
+            lock = LeaseLock(
+                lock_keys, session, identity, log, ttl=60.0, lifetime=20.0, heartbeat=1.0
+            )
+        self._made.append((lock, session))
+        return lock, identity
+
+    def take_away(self, name: str) -> None:
+        lock_id = keys.lock_id_for(name)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            if self.mode == "session":
+                classid, objid = keys.from_name(name).pg_locks_pair
+                row = conn.execute(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                    "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
+                    (classid, objid),
+                ).fetchone()
+                assert row is not None, "nobody holds the key"
+                # Waits (up to 10 s) until the backend is gone: the lock with it.
+                conn.execute("SELECT pg_terminate_backend(%s, 10000)", (row[0],))
+            else:
+                conn.execute("DELETE FROM jobrun.leases WHERE lock_id = %s", (lock_id,))
+
+    def close(self) -> None:
+        """Release every lock made and close its session (as each run would)."""
+        for lock, session in self._made:
+            lock.release()
+            session.close()
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        # Explicitly: the server is asked for with getfixturevalue, unseen at collection.
+        pytest.param("session", marks=pytest.mark.pg),
+        pytest.param("lease", marks=pytest.mark.pg),
+    ]
+)
+def locks(request: pytest.FixtureRequest) -> Iterator[MemoryLocks | ServerLocks]:
+    """A factory of locks of one mode (memory, session, lease) over one store."""
+    made: MemoryLocks | ServerLocks
+    if request.param == "memory":
+        made = MemoryLocks()
+    else:
+        made = ServerLocks(request.param, request.getfixturevalue("dsn"))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def names(key: str) -> tuple[str, str]:
+    """Two key names no other test uses."""
+    return f"{key}-a", f"{key}-b"
+
+
+class TestAcquire:
+    """A free key is taken; a held one is not, and its holder is named."""
+
+    def test_a_free_key_is_acquired(self, locks, names):
+        """acquire on a free key returns None: held (and checks fine)."""
+        lock, _ = locks.make(names[0])
+        assert lock.acquire(0) is None
+        lock.check()
+
+    def test_a_held_key_is_not_acquired_and_names_its_holder(self, locks, names):
+        """A second lock on a held key gets the holder back: its host, pid and run id."""
+        first, who = locks.make(names[0])
+        assert first.acquire(0) is None
+        second, _ = locks.make(names[0])
+        holder = second.acquire(0)
+        assert holder is not None
+        assert (holder.host, holder.pid, holder.run_id) == (who.host, who.pid, who.run_id)
+
+    def test_a_released_key_is_acquired_by_the_next(self, locks, names):
+        """Once the holder releases, the second lock gets the key."""
+        first, _ = locks.make(names[0])
+        second, _ = locks.make(names[0])
+        assert first.acquire(0) is None
+        assert second.acquire(0) is not None
+        first.release()
+        assert second.acquire(0) is None
+
+    def test_several_keys_are_taken_all_or_none(self, locks, names):
+        """A lock on [a, b] while b is held elsewhere: not acquired, and a is left free."""
+        a, b = names
+        other, _ = locks.make(b)
+        assert other.acquire(0) is None
+        both, _ = locks.make(a, b)
+        holder = both.acquire(0)
+        assert holder is not None
+        assert holder.key == b
+        alone, _ = locks.make(a)
+        assert alone.acquire(0) is None
+
+
+class TestLoss:
+    """A lock taken away is noticed at the next check; release never raises."""
+
+    def test_a_lock_taken_away_fails_its_check(self, locks, names):
+        """Taken away (backend terminated, lease deleted, memory freed): check raises LockLost."""
+        lock, _ = locks.make(names[0])
+        assert lock.acquire(0) is None
+        locks.take_away(names[0])
+        with pytest.raises(LockLost):
+            lock.check()
+
+    def test_one_key_of_several_taken_away_fails_the_check(self, locks, names):
+        """Losing one of two keys is losing the lock."""
+        lock, _ = locks.make(*names)
+        assert lock.acquire(0) is None
+        locks.take_away(names[1])
+        with pytest.raises(LockLost):
+            lock.check()
+
+    def test_a_key_taken_away_can_be_acquired_by_another(self, locks, names):
+        """The loss is real: another lock gets the key."""
+        lock, _ = locks.make(names[0])
+        assert lock.acquire(0) is None
+        locks.take_away(names[0])
+        other, _ = locks.make(names[0])
+        assert other.acquire(0) is None
+
+    def test_release_after_loss_does_not_raise_nor_free_the_new_holder(self, locks, names):
+        """Releasing a lost lock is quiet and leaves the key's new holder alone."""
+        lock, _ = locks.make(names[0])
+        assert lock.acquire(0) is None
+        locks.take_away(names[0])
+        other, _ = locks.make(names[0])
+        assert other.acquire(0) is None
+        lock.release()
+        other.check()
+
+    def test_release_is_idempotent(self, locks, names):
+        """A second release is quiet, and the key stays free for the next."""
+        lock, _ = locks.make(names[0])
+        assert lock.acquire(0) is None
+        lock.release()
+        lock.release()
+        other, _ = locks.make(names[0])
+        assert other.acquire(0) is None
+
+
+class TestMemoryStoreDown:
+    """The memory store can be made unavailable, as a server that cannot be reached."""
+
+    def test_acquire_on_a_store_that_is_down_raises_unavailable(self, names):
+        """store.down: acquire raises LockStoreUnavailable (exit 69's error)."""
+        store = MemoryStore()
+        store.down = True
+        lock = MemoryLock((keys.from_name(names[0]),), store)
+        with pytest.raises(LockStoreUnavailable):
+            lock.acquire(0)
+
+    def test_check_on_a_store_that_is_down_raises_unavailable(self, names):
+        """store.down while held: check cannot tell, so it raises LockStoreUnavailable."""
+        store = MemoryStore()
+        lock = MemoryLock((keys.from_name(names[0]),), store)
+        assert lock.acquire(0) is None
+        store.down = True
+        with pytest.raises(LockStoreUnavailable):
+            lock.check()
+        store.down = False
+        lock.check()  # still ours once it is back
