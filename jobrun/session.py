@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobrun import db
+from jobrun import db, threads
 from jobrun.exitcodes import LockStoreUnavailable
 
 if TYPE_CHECKING:
@@ -170,10 +170,9 @@ class ServerSession:
                 self._deadlines[token] = deadline
                 if self._guard is None:
                     # One guard at a time, awake only while a bounded use is on.
-                    self._guard = threading.Thread(
-                        target=self._watch, name="jobrun-session", daemon=True
-                    )
-                    self._guard.start()
+                    # WARNING: started with every signal blocked (threads.start): a SIGCHLD
+                    # taken by this thread would never reach the supervisor's wait.
+                    self._guard = threads.start(self._watch, name="jobrun-session")
             self._changed.notify()
 
     def _watch(self) -> None:

@@ -39,7 +39,11 @@ WAITED = {*FORWARDED, signal.SIGCHLD, WAKE}
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 #: Longest single sleep of the supervision loop when no deadline is near.
-_IDLE_WAIT = 3600.0
+#: WARNING: the child's exit is awaited as SIGCHLD, which the kernel may hand to any thread
+#: that does not block it. jobrun's own threads block every signal (jobrun.threads), but
+#: a host process's may not (jobrun run in-process, as the tests do): the loop looks at the
+#: child at least this often, so a SIGCHLD taken elsewhere costs a second, not an hour.
+_IDLE_WAIT = 1.0
 #: Poll period while waiting for grandchildren that are not ours to reap.
 _GROUP_POLL = 0.05
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import TYPE_CHECKING
 
+from jobrun import threads
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Callable
 
     from structlog.typing import FilteringBoundLogger
@@ -51,22 +52,24 @@ class Watchdog:
         # The acquisition was the first confirmation: the first check is one interval later.
         self._first_check = confirmed_at + interval
         self._stop_r, self._stop_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name="jobrun-heartbeat", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Begin checking."""
-        self._thread.start()
+        """Begin checking (every signal blocked in the thread: they are the supervisor's)."""
+        self._thread = threads.start(self._loop, name="jobrun-heartbeat")
 
     def stop(self) -> None:
         """Stop checking; if a check hangs on a dead network, cut it short."""
         os.write(self._stop_w, b"x")
-        self._thread.join(timeout=1.0)
-        if self._thread.is_alive():
-            if self._session.held:  # a lease's renewal has a connection of its own
-                self._session.cut()
-            self._thread.join(timeout=2.0)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=1.0)
+            if thread.is_alive():
+                if self._session.held:  # a lease's renewal has a connection of its own
+                    self._session.cut()
+                thread.join(timeout=2.0)
         os.close(self._stop_w)
-        if not self._thread.is_alive():
+        if thread is None or not thread.is_alive():
             os.close(self._stop_r)
 
     def lost_before_start(self) -> str | None:
