@@ -178,12 +178,7 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
 
 @click.command("deadlocks", cls=Subcommand)
 @click.argument("logfiles", nargs=-1, required=True, metavar="LOGFILE...")
-@click.option(
-    "--log-line-prefix",
-    "prefix",
-    metavar="PREFIX",
-    help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
-)
+@options.log_line_prefix
 @click.option("--check", is_flag=True, help="Exit 1 when the logs hold any deadlock.")
 @click.option(
     "--sessions",
@@ -207,15 +202,7 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
     help="journalctl -o json of the jobs' units: the units running at each deadlock. "
     "Implies --sessions.",
 )
-@click.option(
-    "--assume-duration",
-    type=options.Duration(minimum="1s"),
-    default="1h",
-    show_default=True,
-    metavar="DURATION",
-    help="How long a cron run whose end is not logged (Debian's cron) is taken to last, "
-    "unless the same command starts again sooner.",
-)
+@options.assume_duration
 @options.as_json
 def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     logfiles: tuple[str, ...],

@@ -297,6 +297,23 @@ def mode(help_text: str) -> Option:
 
 as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 
+#: Reading server and scheduler logs (``deadlocks`` and ``timeline``).
+log_line_prefix = click.option(
+    "--log-line-prefix",
+    "prefix",
+    metavar="PREFIX",
+    help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
+)
+assume_duration = click.option(
+    "--assume-duration",
+    type=Duration(minimum="1s"),
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="How long a cron run whose end is not logged (Debian's cron) is taken to last, "
+    "unless the same command starts again sooner.",
+)
+
 log_format = Option(
     "--log-format",
     click.Choice(["auto", "json", "logfmt", "console"]),

@@ -32,12 +32,7 @@ DEFAULT_LIMIT = 20_000
     metavar="FILE",
     help="A PostgreSQL server log: each deadlock in it is a vertical mark.",
 )
-@click.option(
-    "--log-line-prefix",
-    "prefix",
-    metavar="PREFIX",
-    help="The server's log_line_prefix, for a stderr log whose layout is not guessed.",
-)
+@options.log_line_prefix
 @click.option(
     "--sessions-from",
     "sessions_from",
@@ -60,15 +55,7 @@ DEFAULT_LIMIT = 20_000
     metavar="FILE",
     help="journalctl -o json of the jobs' units: a lane per unit, a bar per run.",
 )
-@click.option(
-    "--assume-duration",
-    type=options.Duration(minimum="1s"),
-    default="1h",
-    show_default=True,
-    metavar="DURATION",
-    help="How long a cron run whose end is not logged (Debian's cron) is taken to last, "
-    "unless the same command starts again sooner.",
-)
+@options.assume_duration
 @click.option(
     "--limit",
     type=click.IntRange(1, 1_000_000),
