@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psycopg
 from psycopg.conninfo import make_conninfo
 
 from .managed import Managed
-from .pgtools import RunAs, dsn_through, free_port, log_tail, make_private_dir
+from .pgtools import RunAs, dsn_through, free_port, log_tail, make_private_dir, wait_ready
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -190,25 +187,16 @@ class PgBouncer(Managed):
                 group=run_as.group,
                 extra_groups=run_as.extra_groups,
             )
-        deadline = time.monotonic() + _READY_TIMEOUT
-        while True:
-            if self._proc.poll() is not None:
-                log_text = self.log_path.read_bytes()[offset:].decode(errors="replace")
-                if "Address already in use" in log_text:
-                    return False
-                raise RuntimeError(f"pgbouncer exited during startup:\n{log_tail(self.log_path)}")
-            try:
-                # The admin console answers without touching the server behind.
-                with psycopg.connect(self.admin_dsn(), connect_timeout=2, autocommit=True):
-                    return True
-            except psycopg.OperationalError as exc:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    msg = f"pgbouncer not ready after {_READY_TIMEOUT}s: {exc}"
-                    raise RuntimeError(f"{msg}\n{log_tail(self.log_path)}") from None
-            # Waiting on the process is the pause between attempts and notices a crash at once.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=0.05)
+        # The admin console answers without touching the server behind.
+        return wait_ready(
+            self._proc,
+            self.admin_dsn(),
+            self.log_path,
+            offset,
+            name="pgbouncer",
+            timeout=_READY_TIMEOUT,
+            give_up=self.stop,
+        )
 
     def version(self) -> tuple[int, ...]:
         """PgBouncer's version, e.g. (1, 18, 0)."""

@@ -27,6 +27,7 @@ from .pgtools import (
     open_pidfd,
     pg_env,
     wait_gone,
+    wait_ready,
 )
 
 if TYPE_CHECKING:
@@ -267,25 +268,18 @@ class PgServer(Managed):
 
     def _wait_ready(self, log_offset: int) -> None:
         assert self._proc is not None
-        deadline = time.monotonic() + _READY_TIMEOUT
-        while True:
-            if self._proc.poll() is not None:
-                log = self.log_path.read_bytes()[log_offset:].decode(errors="replace")
-                if "could not bind" in log or "Address already in use" in log:
-                    raise _PortTakenError
-                raise PgServerError(f"postgres exited during startup:\n{log_tail(self.log_path)}")
-            try:
-                with psycopg.connect(self.dsn(), connect_timeout=2):
-                    return
-            except psycopg.OperationalError as exc:
-                if time.monotonic() > deadline:
-                    self.kill()
-                    msg = f"postgres not ready after {_READY_TIMEOUT}s: {exc}"
-                    raise PgServerError(f"{msg}\n{log_tail(self.log_path)}") from None
-            # Waiting on the process doubles as the pause between attempts and wakes us at
-            # once if the server dies.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=0.05)
+        ready = wait_ready(
+            self._proc,
+            self.dsn(),
+            self.log_path,
+            log_offset,
+            name="postgres",
+            timeout=_READY_TIMEOUT,
+            give_up=self.kill,
+            port_taken=("could not bind", "Address already in use"),
+        )
+        if not ready:
+            raise _PortTakenError
 
     def stop(self, mode: str = "fast") -> None:
         """Shut down ("smart", "fast" or "immediate", as pg_ctl -m) and wait for the exit."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pwd
@@ -15,12 +16,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrun.throwaway import RUN_AS_WHEN_ROOT, find_pg_bin
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: Temp dirs live here, not under pytest's tmp_path: that one is root's, mode 0700, and
 #: "nobody" could not reach a data directory inside it. It also keeps socket paths short.
@@ -130,6 +135,44 @@ def log_tail(path: Path, lines: int = 30) -> str:
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    dsn: str,
+    log_path: Path,
+    log_offset: int,
+    *,
+    name: str,
+    timeout: float,
+    give_up: Callable[[], None],
+    port_taken: tuple[str, ...] = ("Address already in use",),
+) -> bool:
+    """Connect to a server just started until it answers (True), or it lost its port (False).
+
+    False: it exited and what it logged since ``log_offset`` holds a line of ``port_taken``.
+
+    Any other exit, or no answer within ``timeout`` seconds (``give_up`` is called first, to
+    stop it), raises PgServerError with the end of its log.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            logged = log_path.read_bytes()[log_offset:].decode(errors="replace")
+            if any(line in logged for line in port_taken):
+                return False
+            raise PgServerError(f"{name} exited during startup:\n{log_tail(log_path)}")
+        try:
+            with psycopg.connect(dsn, connect_timeout=2, autocommit=True):
+                return True
+        except psycopg.OperationalError as exc:
+            if time.monotonic() > deadline:
+                give_up()
+                msg = f"{name} not ready after {timeout}s: {exc}"
+                raise PgServerError(f"{msg}\n{log_tail(log_path)}") from None
+        # Waiting on the process is the pause between attempts and notices a crash at once.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.05)
 
 
 def create_database(admin_dsn: str, name: str) -> None:

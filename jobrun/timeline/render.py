@@ -21,6 +21,8 @@ from jobrun.timeline import model
 from jobrun.timeline.model import LOGGED, OUTCOMES, SKIPPED
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from jobrun.timeline.model import Bar, Mark, Overlap, Timeline
 
 WIDTH = 1200
@@ -120,6 +122,45 @@ class _Scale:
         return LABELS + min(max(share, 0.0), 1.0) * self.width
 
 
+def _lane_opened(attributes: str, lane: str, label: str, y: float) -> str:
+    """A lane's ``<g>`` opened at ``y``: its background and ``label`` (the whole name on hover).
+
+    ``label`` is already escaped; the caller closes the group after the lane's bars.
+    """
+    return (
+        f'<g {attributes} data-lane="{_text(lane)}">'
+        f'<rect class="lane-bg" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE - 4}"/>'
+        f'<text class="lane-label" x="6" y="{y + LANE / 2 + 4}">'
+        f"{label}<title>{_text(lane)}</title></text>"
+    )
+
+
+def _over_lanes(
+    overlaps: Iterable[Overlap],
+    marks: Iterable[Mark],
+    prefix: str,
+    scale: _Scale,
+    span: tuple[float, float],
+    *,
+    inset: tuple[float, float] = (0, 0),
+) -> list[str]:
+    """Overlap windows and deadlock marks across lanes from ``span``'s top to its bottom.
+
+    The marks are drawn ``inset`` in from the top and from the bottom.
+    """
+    top, bottom = span
+    return [
+        *(
+            _overlap(window, f"{prefix}overlap-{number}", scale, top, bottom)
+            for number, window in enumerate(overlaps)
+        ),
+        *(
+            _mark(mark, f"{prefix}deadlock-{number}", scale, top + inset[0], bottom - inset[1])
+            for number, mark in enumerate(marks)
+        ),
+    ]
+
+
 def svg(timeline: Timeline) -> str:
     """The timeline as an ``<svg>`` element (valid on its own and inside HTML)."""
     scale = _Scale(timeline.start, (timeline.end - timeline.start).total_seconds())
@@ -137,12 +178,7 @@ def svg(timeline: Timeline) -> str:
     ]
     for index, lane in enumerate(timeline.lanes):
         y = TOP + index * LANE
-        parts.append(
-            f'<g class="lane" id="lane-{index}" data-lane="{_text(lane)}">'
-            f'<rect class="lane-bg" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE - 4}"/>'
-            f'<text class="lane-label" x="6" y="{y + LANE / 2 + 4}">'
-            f"{_text(_short(lane))}<title>{_text(lane)}</title></text>"
-        )
+        parts.append(_lane_opened(f'class="lane" id="lane-{index}"', lane, _text(_short(lane)), y))
         parts += [
             _bar(bar, f"run-{number}", scale, timeline.now, y)
             for number, bar in enumerate(timeline.bars)
@@ -150,14 +186,7 @@ def svg(timeline: Timeline) -> str:
         ]
         parts.append("</g>")
     bottom = TOP + LANE * max(len(timeline.lanes), 1)
-    parts += [
-        _overlap(window, f"overlap-{number}", scale, TOP, bottom)
-        for number, window in enumerate(timeline.overlaps)
-    ]
-    parts += [
-        _mark(mark, f"deadlock-{number}", scale, TOP, bottom)
-        for number, mark in enumerate(timeline.marks)
-    ]
+    parts += _over_lanes(timeline.overlaps, timeline.marks, "", scale, (TOP, bottom))
     parts += _legend(height - LEGEND + 18)
     parts.append("</svg>")
     return "\n".join(parts)
@@ -193,12 +222,8 @@ def nights_svg(timeline: Timeline) -> str:
             f'<g class="night" id="night-{night_number}" data-day="{one.day.isoformat()}">'
         )
         for lane in one.lanes:
-            parts.append(
-                f'<g class="night-lane" data-lane="{_text(lane)}">'
-                f'<rect class="lane-bg" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE - 4}"/>'
-                f'<text class="lane-label" x="6" y="{y + LANE / 2 + 4}">'
-                f"{one.day:%m-%d} {_text(_short(lane, 30))}<title>{_text(lane)}</title></text>"
-            )
+            label = f"{one.day:%m-%d} {_text(_short(lane, 30))}"
+            parts.append(_lane_opened('class="night-lane"', lane, label, y))
             parts += [
                 _bar(bar, f"{prefix}run-{number}", scale, timeline.now, y)
                 for number, bar in enumerate(one.bars)
@@ -206,14 +231,7 @@ def nights_svg(timeline: Timeline) -> str:
             ]
             parts.append("</g>")
             y += LANE
-        parts += [
-            _overlap(window, f"{prefix}overlap-{number}", scale, top, y)
-            for number, window in enumerate(one.overlaps)
-        ]
-        parts += [
-            _mark(mark, f"{prefix}deadlock-{number}", scale, top + 6, y - 4)
-            for number, mark in enumerate(one.marks)
-        ]
+        parts += _over_lanes(one.overlaps, one.marks, prefix, scale, (top, y), inset=(6, 4))
         parts.append("</g>")
         y += NIGHT_GAP
     parts.append("</svg>")
