@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jobrun import __version__
+from jobrun import __version__, threads
 from jobrun.exitcodes import UsageError
 from jobrun.listeners import Listener
 
@@ -177,10 +177,9 @@ class Pinger:
             self._pending.append(ping)
             self._cond.notify()
         if self._thread is None:
-            # WARNING: started from the supervisor (signals blocked) the thread inherits the
-            # mask, as it must: every signal is left for the main thread.
-            self._thread = threading.Thread(target=self._loop, name="jobrun-ping", daemon=True)
-            self._thread.start()
+            # Every signal blocked in the thread, whoever sends the first ping: a skip's or a
+            # run's that never started is sent outside the supervisor's blocked window.
+            self._thread = threads.start(self._loop, name="jobrun-ping")
         return ping
 
     def _loop(self) -> None:

@@ -10,6 +10,7 @@ import select
 import threading
 from typing import TYPE_CHECKING
 
+from jobrun import threads
 from jobrun.exitcodes import UsageError
 from jobrun.listeners import Listener
 
@@ -128,13 +129,12 @@ class Capture:
     def begin(self) -> None:
         """The child has them: drop our write ends (or EOF never comes) and start copying.
 
-        WARNING: call it with the supervisor's signals blocked: the thread inherits the
-        mask, so every signal is left for the main thread to take.
+        The thread runs with every signal blocked, whoever calls this: a SIGCHLD it took
+        would never reach the supervisor.
         """
         self.used = True
         self._close_write_ends()
-        self._thread = threading.Thread(target=self._copy, name="jobrun-output", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._copy, name="jobrun-output")
 
     def finish(self) -> None:
         """The child's group is gone: read to the end, or for ``grace`` seconds at most."""

@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import signal
 import socket
 import string
 import subprocess
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from jobrun import log, ping
 from jobrun.exitcodes import UsageError
 from jobrun.testing import jobrun_cli as cli
+from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -210,7 +212,21 @@ class TestPinger:
         )
         assert [e["ping"] for e in captured.events("ping_sent")] == ["start", "3"]
 
-    def test_skip_is_a_log_ping(self, monitor, captured):
+    def test_the_sending_thread_leaves_every_signal_to_the_main_thread(self, monitor, captured):
+        """Started with nothing blocked (the start ping), it still blocks SIGCHLD and the rest."""
+        server = monitor()
+        pinger = ping.Pinger(server.url, "run-6", timeout=5.0, log=captured.log)
+        before = set(threading.enumerate())
+        previous = signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        try:
+            pinger.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        # The thread waits for the next ping until the process ends: alive to be looked at.
+        blocked = blocked_signals(started_threads(before, "jobrun-ping"))
+        pinger.finish(0)
+        assert {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT} <= blocked
+
         """A skip: no start, and URL/log (neither success nor failure) naming the holder."""
         server = monitor()
         pinger = ping.Pinger(server.url, "run-2", timeout=5.0, log=captured.log)

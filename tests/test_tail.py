@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from jobrun import tail
 from jobrun.exitcodes import UsageError
 from jobrun.testing import jobrun_cli as cli
 from jobrun.testing.pgtools import create_database, drop_database
+from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -104,6 +106,26 @@ def _capture_run(capture: tail.Capture, body: str) -> subprocess.Popen[bytes]:
 
 
 class TestCapture:
+    def test_the_copying_thread_leaves_every_signal_to_the_main_thread(self, sink):
+        """Begun with nothing blocked, the thread still blocks SIGCHLD and the rest."""
+        capture = tail.Capture(16, targets=sink.fds)
+        out, err = capture.child_fds()
+        # Our own copies of the write ends: no EOF, so the thread is alive to be looked at.
+        held = (os.dup(out), os.dup(err))
+        before = set(threading.enumerate())
+        previous = signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        try:
+            capture.begin()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        try:
+            blocked = blocked_signals(started_threads(before, "jobrun-output"))
+        finally:
+            for fd in held:
+                os.close(fd)
+            capture.finish()
+        assert {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT} <= blocked
+
     def test_binary_output_passes_through_whole_and_the_tail_is_kept(self, sink):
         """Every byte value, on both streams: copied whole, the last SIZE bytes kept."""
         capture = tail.Capture(100, targets=sink.fds)
