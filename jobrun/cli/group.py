@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
+from click import formatting
 
 from jobrun.cli.options import SUBCOMMAND_FOLLOWS
 from jobrun.cli.subcommands import SUBCOMMANDS
@@ -29,6 +32,41 @@ PLACEMENT_RULE = (
 )
 
 
+def terminal_columns() -> int:
+    """The terminal's width as ``shutil.get_terminal_size().columns`` says it (80 if unknown).
+
+    Without importing shutil: it brings zlib, bz2 and lzma, a few milliseconds of
+    ``jobrun --help`` for nothing. $COLUMNS first, then the terminal of stdout.
+    """
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class HelpFormatter(click.HelpFormatter):
+    """click's help formatter, its width reckoned as click does but by terminal_columns()."""
+
+    def __init__(
+        self, indent_increment: int = 2, width: int | None = None, max_width: int | None = None
+    ) -> None:
+        if width is None and formatting.FORCED_WIDTH is None:
+            width = max(min(terminal_columns(), max_width or 80) - 2, 50)
+        super().__init__(indent_increment, width, max_width)
+
+
+class Context(click.Context):
+    """A context whose help is laid out by HelpFormatter."""
+
+    formatter_class = HelpFormatter
+
+
 class JobrunGroup(click.Group):
     """Runs ``jobrun [OPTIONS] -- COMMAND...`` itself, and has subcommands.
 
@@ -36,6 +74,8 @@ class JobrunGroup(click.Group):
     environment variables are not read then, since they configure a run. A subcommand's
     module is imported when the subcommand is used (jobrun.cli.subcommands).
     """
+
+    context_class = Context
 
     def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: ARG002 - click's signature
         """Every subcommand's name, none of them imported."""
@@ -102,6 +142,8 @@ class Subcommand(click.Command):
     ``"option"`` (its own ``--key NAME``), ``"label"`` (a KEY argument: the run's label, as
     ``status`` prints it) or nothing (a usage error).
     """
+
+    context_class = Context
 
     def __init__(
         self,

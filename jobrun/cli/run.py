@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
 
-from jobrun import __version__, assemble, keys
+from jobrun import __version__
 from jobrun.cli import options
 from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
 from jobrun.settings import KEY_NAMES, LOCK_IDS, Settings
+
+if TYPE_CHECKING:
+    from jobrun import keys  # here, not with the module: --help has no use for it
 
 __all__ = ["KEY_VARIABLES", "Settings", "cli"]
 
@@ -62,6 +65,8 @@ def cli(ctx: click.Context, /, **params: Any) -> int | None:
         run_keys=run_keys,
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
     )
+    from jobrun import assemble  # a run's whole assembly: not imported for --help
+
     return assemble.run(argv, settings)
 
 
@@ -100,6 +105,8 @@ def _keys(
     a jobrun inside a guarded child (which inherits JOBRUN_KEY and JOBRUN_LOCK_ID) take
     just the keys it is given. A bad value from a variable is reported under its name.
     """
+    from jobrun import keys
+
     given = {"key_names": key_names, "lock_ids": lock_ids}
     sources = {name: ctx.get_parameter_source(name) for name in given}
     if ParameterSource.COMMANDLINE in sources.values():
