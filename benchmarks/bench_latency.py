@@ -49,10 +49,7 @@ import secrets
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +58,7 @@ from psycopg.conninfo import make_conninfo
 
 from jobrun.background import BackgroundRun
 from jobrun.keys import lock_id_for
+from jobrun.testing.bench import ping_endpoint, run_by_hand, run_once
 from jobrun.testing.delay_proxy import DelayProxy
 from jobrun.testing.pgserver import PgServer
 from jobrun.testing.pgtools import PgServerError, RunAs, make_private_dir
@@ -71,18 +69,11 @@ if TYPE_CHECKING:
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 DBNAME = "bench"
-NS_PER_MS = 1_000_000
 #: How long a background run may take to start, or to end once asked to stop.
 BACKGROUND_TIMEOUT = 30.0
 
-FLOOR = """
-import os, secrets, subprocess, psycopg
-with psycopg.connect(os.environ["JOBRUN_DSN"], autocommit=True) as conn:
-    lock_id = secrets.randbits(63)
-    conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
-    subprocess.run(["true"], check=True)
-    conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
-"""
+#: The floor: a run done by hand with psycopg alone (jobrun.testing.bench).
+FLOOR = run_by_hand()
 
 
 @dataclass
@@ -101,20 +92,6 @@ class Case:
 
     def command(self) -> tuple[str, ...]:
         return self.argv if self.raw else (*JOBRUN, *self.argv)
-
-
-class _Ok(BaseHTTPRequestHandler):
-    """A ping endpoint that answers at once."""
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"OK")
-
-    def log_message(self, *_args: Any) -> None:
-        pass
 
 
 class Variant:
@@ -243,16 +220,7 @@ def timed(case: Case, env: dict[str, str]) -> tuple[float, int]:
     """Wall time in ms and exit status of one run (setup first, untimed)."""
     if case.setup is not None:
         case.setup()
-    started = time.perf_counter_ns()
-    status = subprocess.run(
-        case.command(),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=False,
-    ).returncode
-    return (time.perf_counter_ns() - started) / NS_PER_MS, status
+    return run_once(case.command(), env)
 
 
 def measure(variant: Variant, cases: list[Case], rtt_ms: float, pairs: int) -> None:
@@ -415,10 +383,8 @@ def main() -> None:
     args = parse_args()
     print(f"load average at start: {Path('/proc/loadavg').read_text().strip()}")
     print(f"libpq {psycopg.pq.version()}, python {sys.version.split()[0]}, {args.pairs} pairs")
-    ping = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
-    threading.Thread(target=ping.serve_forever, daemon=True).start()
-    ping_url = f"http://127.0.0.1:{ping.server_address[1]}/ping/bench"
     with contextlib.ExitStack() as stack:
+        ping_url = stack.enter_context(ping_endpoint())
         for variant in variants(args, stack):
             cases = variant.cases(ping_url)
             if args.only:
@@ -428,7 +394,6 @@ def main() -> None:
             for rtt_ms in args.rtt:
                 measure(variant, cases, rtt_ms, args.pairs)
                 report(variant, cases, rtt_ms)
-    ping.shutdown()
     print(f"\nload average at end: {Path('/proc/loadavg').read_text().strip()}")
 
 

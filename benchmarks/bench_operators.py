@@ -17,11 +17,10 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+
+from jobrun.testing.bench import ping_endpoint
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 
@@ -36,18 +35,6 @@ def summary(samples: list[float]) -> str:
     ordered = sorted(samples)
     p90 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))]
     return f"median {statistics.median(ordered) * 1000:7.1f} ms   p90 {p90 * 1000:7.1f} ms"
-
-
-class _Ok(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"OK")
-
-    def log_message(self, *_args: Any) -> None:
-        pass
 
 
 def main() -> None:
@@ -72,16 +59,13 @@ def main() -> None:
         ]
         print(f"    {label:22s} {summary(samples)}")
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/ping/bench"
     print(f"(c) jobrun -- true, {args.runs} runs each, pings answered at once (local server)")
-    for label, extra in (("without --ping", []), ("--ping", ["--ping", url])):
-        samples = [
-            timed([*JOBRUN, "--key", key, *extra, "--", "true"], env) for _ in range(args.runs)
-        ]
-        print(f"    {label:22s} {summary(samples)}")
-    server.shutdown()
+    with ping_endpoint() as url:
+        for label, extra in (("without --ping", []), ("--ping", ["--ping", url])):
+            samples = [
+                timed([*JOBRUN, "--key", key, *extra, "--", "true"], env) for _ in range(args.runs)
+            ]
+            print(f"    {label:22s} {summary(samples)}")
 
 
 if __name__ == "__main__":

@@ -58,9 +58,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobrun.testing.bench import run_by_hand, run_once
+
 DEFAULT_DSN = "host=127.0.0.1 user=postgres dbname=test"
 WARMUP_RUNS = 2
-NS_PER_MS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -142,29 +143,8 @@ def child_env(dsn: str, pycache: str | None) -> dict[str, str]:
     return env
 
 
-def run_once(command: tuple[str, ...], env: dict[str, str]) -> tuple[float, int]:
-    """Wall time in ms and exit status of one run, output discarded."""
-    started = time.perf_counter_ns()
-    status = subprocess.run(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        check=False,
-    ).returncode
-    return (time.perf_counter_ns() - started) / NS_PER_MS, status
-
-
 #: The floor for jobrun's run path: the same three imports, then the work done by hand.
-BY_HAND = """
-import os, secrets, subprocess, click, structlog, psycopg
-with psycopg.connect(os.environ["JOBRUN_DSN"], autocommit=True) as conn:
-    lock_id = secrets.randbits(63)
-    conn.execute("SELECT pg_try_advisory_lock(%s)", (lock_id,))
-    subprocess.run(["true"], check=True)
-    conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id,))
-"""
+BY_HAND = run_by_hand("click", "structlog")
 
 #: The same, ending as jobrun does: exit handlers and stream flushes, then os._exit (no
 #: interpreter teardown). Against this floor, what is left is jobrun's own work.
