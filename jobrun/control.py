@@ -125,10 +125,14 @@ def verify_run(
 
     ``labelled``: whether ``jobrun init``'s run_label function is there (None: not known).
     """
-    parts = label.split(",")
     if holder.run_id is None:
-        return parts[0]
-    recorded = _recorded_label(conn, holder.run_id, labelled=labelled)
+        return label.split(",", maxsplit=1)[0]
+    return _addressed(label, holder, _recorded_label(conn, holder.run_id, labelled=labelled))
+
+
+def _addressed(label: str, holder: Holder, recorded: object) -> str:
+    """verify_run's answer, from the label the history records for the run (None: no row)."""
+    parts = label.split(",")
     if recorded is None:
         return parts[0]
     if not set(parts) <= set(str(recorded).split(",")):
@@ -220,7 +224,14 @@ def request_stop(
         params,
         after=(sql.STOP_REQUESTS_PRUNE, _still_holding(holder)),
     )
-    row = found[0][0] if found[0] else None
+    return _requested(conn, holder, found[0], found[-1])
+
+
+def _requested(
+    conn: Connection, holder: Holder, written: list[tuple[Any, ...]], look: list[tuple[Any, ...]]
+) -> Requested:
+    """What the request's message said: the rows its INSERT returned, and its look."""
+    row = written[0] if written else None
     if row is None:
         row = conn.execute(sql.STOP_REQUEST_OF, (holder.run_id,)).fetchone()
         if row is None:
@@ -228,8 +239,80 @@ def request_stop(
                 f"another role's stop request for run {printable(holder.run_id)} is in the way "
                 "(it names a key this role may not see): not asked to stop"
             )
-    look = found[-1][0] if found[-1] else None
-    return Requested(by=str(row[0]), held=bool(look and look[0]))
+    return Requested(by=str(row[0]), held=bool(look and look[0][0]))
+
+
+#: The label the history records for the run %(run_id)s: the owner's view (``jobrun
+#: init``'s run_label, which row-level security does not narrow), or the table itself (as
+#: sql.RUN_LABEL and sql.RUN_LABEL_VISIBLE, as an expression).
+_LABEL_BY_FUNCTION = "jobrun.run_label(%(run_id)s::uuid)"
+_LABEL_VISIBLE = "(SELECT key FROM jobrun.runs WHERE run_id = %(run_id)s::uuid)"
+
+#: ``jobrun stop``'s request (sql.STOP_REQUEST) written only if the history does not record
+#: the run as one of another key: verify_run's check in the same statement as the INSERT.
+#: %(key)s is the first key asked for; with several (%(several)s) the run's recorded label,
+#: whose order is the run's locking order, where there is one.
+#: WARNING: the check must guard the INSERT itself, not merely come before it: a request
+#: written for a run of another key is never read by that run, but it takes that run id's
+#: row (the first request is kept), and the key's own operators could no longer stop it.
+_CHECKED_REQUEST = """
+INSERT INTO jobrun.stop_requests (run_id, key, host, username, claimed_user, pid, reason)
+SELECT %(run_id)s::uuid,
+       CASE WHEN %(several)s AND recorded.label IS NOT NULL THEN recorded.label
+            ELSE %(key)s END,
+       %(host)s, session_user, %(user)s, %(pid)s, %(reason)s
+FROM (SELECT {label} AS label) AS recorded
+WHERE recorded.label IS NULL OR string_to_array(recorded.label, ',') @> %(parts)s::text[]
+ON CONFLICT (run_id) DO NOTHING
+RETURNING username
+"""
+
+
+def ask_to_stop(
+    conn: Connection, label: str, holder: Holder, reason: str | None, *, labelled: bool | None
+) -> Requested:
+    """verify_run and request_stop in ONE message: one round trip less to a distant server.
+
+    The message: the run's recorded label (only to say why a request was refused), the
+    request written only where that label is ``label``'s (the check in the INSERT itself),
+    the pruning and the first look. ``labelled`` (from records.held_if_recorded) says where
+    the label is read. Where it is not known, or the message fails (a table, column,
+    function or grant missing: nothing was written, the message was one transaction), the
+    two steps go one by one, as verify_run and request_stop handle each of those cases.
+    """
+    parts = label.split(",")
+    if labelled is not None and holder.run_id is not None:
+        recorded_label = _LABEL_BY_FUNCTION if labelled else _LABEL_VISIBLE
+        params = {
+            "run_id": holder.run_id,
+            "key": parts[0],
+            "several": len(parts) > 1,
+            "parts": parts,
+            "reason": reason,
+            **who_asks(),
+            **_look_params(label, holder),
+        }
+        statements = [
+            f"SELECT {recorded_label}",
+            _CHECKED_REQUEST.format(label=recorded_label),
+            sql.STOP_REQUESTS_PRUNE,
+            _still_holding(holder),
+        ]
+        try:
+            recorded, written, _, look = messages.results(conn, statements, params)
+        except (
+            errors.UndefinedTable,
+            errors.UndefinedColumn,
+            errors.UndefinedFunction,
+            errors.InvalidSchemaName,
+            errors.InsufficientPrivilege,
+        ):
+            pass
+        else:
+            _addressed(label, holder, recorded[0][0] if recorded else None)
+            return _requested(conn, holder, written, look)
+    addressed = verify_run(conn, label, holder, labelled=labelled)
+    return request_stop(conn, addressed, holder, reason, label)
 
 
 def _claimed(

@@ -159,6 +159,54 @@ class TestStop:
         assert result.returncode == 1
         assert f"nothing holds {key}" in result.stderr
 
+    @pytest.mark.parametrize("schema", ["init", "leases", "runs only"])
+    def test_a_holder_naming_a_run_of_another_key_is_not_asked(
+        self, fresh_dsn, key, tmp_path, schema
+    ):
+        """A session holding KEY whose comment names another key's run: refused (3), no row.
+
+        No request is written for that run (it would take the run id's one row), so its own
+        key's stop still reaches it. The run's label is read from ``jobrun init``'s
+        run_label, or the table itself: in the request's own message where the lookups
+        before it could all be made at once (``init``, ``leases``), else one by one.
+        """
+        other = f"{key}-other"
+        if schema == "init":
+            assert jobrun_cli.run("init", dsn=fresh_dsn).returncode == 0
+        elif schema == "leases":
+            ran = jobrun_cli.run("--key", other, "--mode", "lease", "--", "true", dsn=fresh_dsn)
+            assert ran.returncode == 0, ran.stderr
+        marker = tmp_path / "child"
+        proc = _holder(other, "session", marker, "--heartbeat", "200ms", dsn=fresh_dsn)
+        try:
+            wait_for_file(marker)
+            run_id = next(
+                str(row["run_id"])
+                for row in rows_of(fresh_dsn, other)
+                if row["finished_at"] is None
+            )
+            announced = json.dumps({"host": "h", "pid": 1, "run_id": run_id, "since": "s"})
+            with psycopg.connect(fresh_dsn, autocommit=True) as forger:
+                forger.execute(
+                    f"/* jobrun-holder {announced} */ SELECT pg_advisory_lock(%s)",
+                    (lock_id_for(key),),
+                )
+                refused = jobrun_cli.run("stop", key, "--wait", "0s", dsn=fresh_dsn)
+            assert refused.returncode == 3, refused.stderr
+            assert "records as a run of another key" in refused.stderr
+            with psycopg.connect(fresh_dsn) as conn:
+                requests = conn.execute(
+                    "SELECT count(*) FROM jobrun.stop_requests WHERE run_id = %s", (run_id,)
+                ).fetchone()
+            assert requests == (0,)
+            stopped = jobrun_cli.run("stop", other, dsn=fresh_dsn)
+            assert stopped.returncode == 0, stopped.stderr
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.communicate(timeout=60)
+        assert proc.returncode == 77
+
     def test_stop_request_does_not_reach_the_next_run(self, dsn, key, tmp_path):
         """A request names one run: the run after the stopped one goes ahead."""
         marker = tmp_path / "child"

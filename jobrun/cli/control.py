@@ -83,8 +83,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
                 control.take_away(conn, holder)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
-        addressed = control.verify_run(conn, key_label, holder, labelled=labelled)
-        asked = control.request_stop(conn, addressed, holder, reason, key_label)
+        asked = control.ask_to_stop(conn, key_label, holder, reason, labelled=labelled)
         click.echo(f"asked {who} to stop (as role {printable(asked.by)})", err=True)
         result = control.wait_for_end(conn, key_label, holder, wait, force=force, held=asked.held)
     if result.ended:
