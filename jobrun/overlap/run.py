@@ -20,7 +20,9 @@ from jobrun.overlap.report import Attempt, Report
 from jobrun.overlap.watch import POLL_INTERVAL, Watch, app_name, server_timeouts
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+
+    from jobrun.overlap.model import Session
 
 #: ``--start`` modes besides a fixed delay.
 START_MODES = ("hold", "inside", "together")
@@ -341,9 +343,7 @@ def _until_second_may_start(plan: Plan, watch: Watch, first: Job, deadline: floa
         return "together"
     started = time.monotonic()
     hold_at = watch.attempt.hold_at or 1
-    while True:
-        tick = time.monotonic()
-        sessions = watch.look()
+    for tick, sessions in _looks(plan, watch, deadline):
         if plan.start == "hold":
             if watch.statements(first.job) >= hold_at:
                 return "held"
@@ -354,9 +354,7 @@ def _until_second_may_start(plan: Plan, watch: Watch, first: Job, deadline: floa
             return "after_delay"
         if first.exited():
             return "after_first_finished"
-        if tick >= deadline:
-            return "not_started"
-        _sleep_until(tick + plan.poll_interval, deadline)
+    return "not_started"
 
 
 def _until_caught_up(
@@ -369,32 +367,32 @@ def _until_caught_up(
     the way. Also ``second_exited``; ``session_ended`` when a held session disappeared (a
     server-side timeout); ``hold_limit`` when the hold ran out of time.
     """
-    while True:
-        tick = time.monotonic()
-        seen = watch.look()
+    for _, seen in _looks(plan, watch, limit):
         if any(s.job == second.job and s.waiting for s in seen):
             return "second_waits"
         if sessions - {s.pid for s in seen if s.job == held}:
             return "session_ended"
         if second.exited():
             return "second_exited"
-        if tick >= limit:
-            return "hold_limit"
-        _sleep_until(tick + plan.poll_interval, limit)
+    return "hold_limit"
 
 
 def _watch_until_done(plan: Plan, watch: Watch, jobs: Iterable[Job], deadline: float) -> bool:
     """Watch until every command has exited (True) or the attempt's time ran out (False)."""
     jobs = list(jobs)
+    # A look at a time (each records what it saw) until one finds every command exited.
+    return any(all(job.exited() for job in jobs) for _ in _looks(plan, watch, deadline))
+
+
+def _looks(plan: Plan, watch: Watch, until: float) -> Iterator[tuple[float, list[Session]]]:
+    """A look at the sessions every poll interval: (when it began, the sessions seen).
+
+    Ends after the look that began at or past ``until`` (the caller's time ran out); the
+    pause before the last look is cut short to end at ``until``.
+    """
     while True:
         tick = time.monotonic()
-        watch.look()
-        if all(job.exited() for job in jobs):
-            return True
-        if tick >= deadline:
-            return False
-        _sleep_until(tick + plan.poll_interval, deadline)
-
-
-def _sleep_until(moment: float, deadline: float) -> None:
-    time.sleep(max(0.0, min(moment, deadline) - time.monotonic()))
+        yield tick, watch.look()
+        if tick >= until:
+            return
+        time.sleep(max(0.0, min(tick + plan.poll_interval, until) - time.monotonic()))

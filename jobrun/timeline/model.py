@@ -197,17 +197,31 @@ def history_bars(rows: Iterable[Mapping[str, Any]]) -> list[Bar]:
     ]
 
 
+def _logged(
+    lane: str,
+    start: dt.datetime,
+    end: dt.datetime | None,
+    *,
+    where: str,
+    end_from: str | None,
+    host: str | None = None,
+) -> Bar:
+    """A bar read from a log (outcome LOGGED), its times in UTC; ``end`` None: no end seen."""
+    return Bar(
+        lane=lane,
+        start=_utc(start),
+        end=_utc(end) if end is not None else None,
+        outcome=LOGGED,
+        host=host,
+        where=where,
+        end_from=end_from,
+    )
+
+
 def scheduled_bars(runs: Iterable[Run]) -> list[Bar]:
     """Bars from cron's or systemd's records: one lane per command or unit."""
     return [
-        Bar(
-            lane=run.label,
-            start=_utc(run.start),
-            end=_utc(run.end) if run.end is not None else None,
-            outcome=LOGGED,
-            where=run.where,
-            end_from=run.end_from,
-        )
+        _logged(run.label, run.start, run.end, where=run.where, end_from=run.end_from)
         for run in runs
     ]
 
@@ -218,11 +232,10 @@ def session_bars(sessions: Iterable[Session], *, until: dt.datetime | None = Non
     A session the log never saw end is drawn until ``until`` (the log's last moment).
     """
     return [
-        Bar(
-            lane=session.label,
-            start=_utc(session.start),
-            end=_utc(session.end) if session.end is not None else until,
-            outcome=LOGGED,
+        _logged(
+            session.label,
+            session.start,
+            session.end or until,
             host=session.host,
             end_from="logged" if session.end is not None else "end of log",
             where=f"pid {session.pid}",
