@@ -40,7 +40,7 @@ STATUS_KEY = Calls(sessions=1, statements=1)
 STATUS_NO_LEASES = Calls(sessions=1, statements=2)
 HISTORY_KEY = Calls(sessions=1, statements=1)
 SHOW_KEY = Calls(sessions=1, statements=2)
-STOP_NO_WAIT = Calls(sessions=1, statements=3)
+STOP_NO_WAIT = Calls(sessions=1, statements=2)
 PAUSE_KEY = Calls(sessions=1, statements=2)
 RESUME_KEY = Calls(sessions=1, statements=1)
 
@@ -183,7 +183,7 @@ class TestSubcommands:
         assert calls == SHOW_KEY, calls.explain()
 
     def test_stop_without_waiting(self, logged_server, log, key, tmp_path):
-        """``stop KEY --wait 0s``: the check and holder, the run's label, the request and a look."""
+        """``stop KEY --wait 0s``: the check and holder, then the label-checked request."""
         holder = held(logged_server, tmp_path, *SESSION_BEATS, "--key", key)
         try:
             calls = counted(log, logged_server, "stop", key, "--wait", "0s", status=3)
