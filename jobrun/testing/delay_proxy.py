@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import contextlib
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from .managed import Managed
@@ -29,15 +30,22 @@ class _Exchange:
 
     def __init__(self, proxy: DelayProxy) -> None:
         self.proxy = proxy
+        self.number = proxy.accepted  # which connection, counting from 1
         self.asked = False  # the client spoke; the server has not answered yet
 
-    def request(self) -> None:
+    def request(self, chunk: bytes) -> None:
+        self._record(chunk, from_client=True)
         self.asked = True
 
-    def answer(self) -> None:
+    def answer(self, chunk: bytes) -> None:
+        self._record(chunk, from_client=False)
         if self.asked:
             self.asked = False
             self.proxy.round_trips += 1
+
+    def _record(self, chunk: bytes, *, from_client: bool) -> None:
+        if self.proxy.trace is not None:
+            self.proxy.trace.append((time.monotonic(), self.number, from_client, chunk))
 
 
 class _Direction:
@@ -54,7 +62,7 @@ class _Direction:
         loop: asyncio.AbstractEventLoop,
         delay: float,
         not_before: float,
-        seen: Callable[[], None],
+        seen: Callable[[bytes], None],
     ) -> None:
         self.loop = loop
         self.seen = seen  # told of each chunk: _Exchange.request or .answer
@@ -66,7 +74,7 @@ class _Direction:
 
     def push(self, item: bytes | str) -> None:
         if isinstance(item, bytes):
-            self.seen()
+            self.seen(item)
         due = max(self.loop.time(), self.not_before) + self.delay
         self.queue.append((due, item))
         self._schedule()
@@ -140,7 +148,9 @@ class DelayProxy(Managed):
     the client's requests that the server answered (a burst of chunks from the client, then
     one from the server: pipelined statements are one; the goodbye, never answered, none).
     Summed over connections, it is the latency on the critical path only when they do not
-    overlap. Everything runs in one background thread's event loop.
+    overlap. ``trace``, when set to a list, gets each chunk read: (time.monotonic() when it
+    arrived, the connection's number as ``accepted`` counted it, whether from the client,
+    its bytes). Everything runs in one background thread's event loop.
     """
 
     host = "127.0.0.1"
@@ -152,6 +162,7 @@ class DelayProxy(Managed):
         self.port = 0
         self.accepted = 0  # written by the proxy thread only
         self.round_trips = 0  # the same
+        self.trace: list[tuple[float, int, bool, bytes]] | None = None
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
