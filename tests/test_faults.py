@@ -347,17 +347,23 @@ class TestAmbiguousHeartbeatErrors:
         end_cleanly(proc, go, log)
 
     @pytest.mark.fault
+    @pytest.mark.parametrize("connection", ["per-renewal", "kept"])
     def test_lease_renewals_refused_for_a_while_are_retried(
-        self, private_server, proxy, key, tmp_path
+        self, private_server, proxy, key, tmp_path, connection
     ):
-        """Lease mode: renewals that cannot connect are retried; once through, the run goes on."""
+        """Lease mode: renewals that cannot connect are retried; once through, the run goes on.
+
+        Kept: the run's connection is dropped too, so the next beat must reconnect (a
+        connection that failed is reopened, never fatal by itself)."""
         cut = proxy(private_server.host, private_server.port)
         proc, go, log = start_waiting(
             tmp_path, "--key", key, "--mode", "lease", "--ttl", "20s", "--kill-after", "2s",
-            "--heartbeat", "1s", "--connect-timeout", "1s",
+            "--heartbeat", "1s", "--connect-timeout", "1s", "--lease-connection", connection,
             dsn=cut.dsn_for(private_server.dsn()),
         )  # fmt: skip
-        cut.refuse()  # each renewal opens a connection of its own: each one is refused now
+        cut.refuse()  # each new connection is refused now
+        if connection == "kept":
+            cut.drop_all()  # and the kept one is gone: the next beat reconnects
         wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="a refused renewal")
         cut.restore()
         wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="a renewal again")
