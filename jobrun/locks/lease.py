@@ -142,6 +142,12 @@ class LeaseLock:
         self._lifetime = lifetime
         self._lock_wait = lock_wait(heartbeat)
         self._heartbeat = heartbeat
+        # WARNING: a beat over the kept connection with no answer this long is cut (a silent
+        # network: the next beat reconnects), but never sooner than a renewal interval: a
+        # beat queued behind a busy transaction pooler must not be cut into a reconnection
+        # storm. A renewal cut at its bound is retried half a beat later, still well within
+        # the lifetime (two renewal intervals fit in it: LeaseTiming).
+        self._beat_bound = max(lock_wait(heartbeat) + SILENCE_GRACE, renew_every or heartbeat)
         #: None: every check renews.
         self._renew_every = renew_every
         #: When the acquisition was sent (the first renewal, in effect).
@@ -284,8 +290,7 @@ class LeaseLock:
         what = "renewing the lease" if renew else "checking the lease"
         try:
             if self._session.keeps:
-                # Bounded: on a silent network the use is cut and the next beat reconnects.
-                with self._session.kept(self._lock_wait + SILENCE_GRACE) as conn:
+                with self._session.kept(self._beat_bound) as conn:
                     if conn is None:
                         raise LockStoreUnavailable(f"{what}: the connection broke")
                     count, request = self._beat(conn, renew=renew)
