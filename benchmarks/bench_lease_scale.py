@@ -44,6 +44,7 @@ from jobrun.testing.pgbouncer import PgBouncer
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Barrier
 
 #: The lease's timing in the bench: what a run with --ttl 30s --kill-after 10s would have.
 TTL, LIFETIME = 30.0, 17.0
@@ -133,9 +134,9 @@ def main() -> None:
 
 
 def holders(
-    args: argparse.Namespace, dsn: str, count: int, *, kept: bool, start: float, out: Queue[Any]
+    args: argparse.Namespace, dsn: str, count: int, *, kept: bool, go: Barrier, out: Queue[Any]
 ) -> None:
-    """One process's ``count`` holders: acquire, beat from ``start`` for --seconds, release.
+    """One process's ``count`` holders: acquire, beat from ``go`` for --seconds, release.
 
     Puts (seconds to acquire, beat latencies, failures) on ``out``.
     """
@@ -158,7 +159,7 @@ def holders(
     acquired = time.monotonic() - began
     latencies: list[float] = []
     lost: list[str] = []
-    time.sleep(max(0.0, start - time.time()))
+    go.wait()  # every process has acquired its leases (well within their TTL)
     until = time.monotonic() + args.seconds
     threads = [
         threading.Thread(target=holder, args=(lock, interval, until, latencies, lost))
@@ -178,21 +179,21 @@ def run(args: argparse.Namespace, dsn: str, bouncer: PgBouncer | None, *, kept: 
     """The holder processes, the monitor, the figures."""
     context = multiprocessing.get_context("fork")
     out: Queue[Any] = context.Queue()
-    # Acquiring takes a while: every process starts beating at the same wall time.
-    start = time.time() + 5 + args.leases * 0.03
+    # Every process starts beating once all have acquired their leases.
+    go = context.Barrier(args.processes + 1)
     shares = [args.leases // args.processes + (n < args.leases % args.processes)
               for n in range(args.processes)]  # fmt: skip
     procs = [
         context.Process(
             target=holders,
             args=(args, dsn, share),
-            kwargs={"kept": kept, "start": start, "out": out},
+            kwargs={"kept": kept, "go": go, "out": out},
         )
         for share in shares
     ]
     for proc in procs:
         proc.start()
-    time.sleep(max(0.0, start - time.time()))
+    go.wait()
     peak, clients = peak_connections(args.dsn, bouncer, time.monotonic() + args.seconds)
     results = [out.get() for _ in procs]
     for proc in procs:
