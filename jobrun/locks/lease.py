@@ -177,7 +177,7 @@ class LeaseLock:
     def confirmation_lifetime(self) -> float:
         """From the last heartbeat sent: what the last renewal sent still vouches for."""
         renewed = max(self._renewed_sent, self.confirmed_at)
-        return renewed + self._lifetime - max(self._beat_sent, self.confirmed_at)
+        return self._lifetime - (max(self._beat_sent, self.confirmed_at) - renewed)
 
     def _renewal_due(self, now: float) -> bool:
         """Whether the beat sent at ``now`` renews the leases.
