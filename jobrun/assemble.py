@@ -92,7 +92,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         skip_exit_code=settings.skip_exit_code,
         on_db_error=settings.on_db_error,
         on_lock_lost=settings.on_lock_lost,
-        heartbeat=settings.heartbeat,
+        heartbeat=_beat(settings),
         min_hold=settings.min_hold,
         once_per=settings.once_per,
         pass_env=settings.pass_env,
@@ -154,21 +154,38 @@ def _session(settings: Settings, target: db.Target, identity: Identity) -> Serve
     """The run's one server session, handed to the lock, the history and the fence.
 
     Session mode: the lock session, held from the acquisition to the release, every
-    statement naming the holder. Lease mode: open only between the lock's statements; with
-    ``--slots`` each attempt closes its own (no slot's connection is anyone else's).
+    statement naming the holder. Lease mode: kept for the run (``--lease-connection
+    kept``), or open only between the lock's statements (``per-renewal``); with ``--slots``
+    each attempt closes its own (no slot's connection is anyone else's).
     """
     from jobrun import db, session
 
     app_name = db.application_name(keys.describe(settings.run_keys))
     if settings.mode == "lease":
         return session.ServerSession(
-            target, app_name=app_name, held=False, lends=settings.slots <= 1
+            target,
+            app_name=app_name,
+            held=False,
+            lends=settings.slots <= 1,
+            keeps=settings.lease_connection == "kept",
         )
     from jobrun.locks.session import holder_comment
 
     return session.ServerSession(
         target, app_name=app_name, held=True, comment=holder_comment(identity)
     )
+
+
+def _beat(settings: Settings) -> float:
+    """Seconds between two heartbeats: --heartbeat, but at most 1 s for a kept lease.
+
+    A lease run over a kept connection renews every --heartbeat and beats more often.
+    """
+    if settings.mode != "lease":
+        return settings.heartbeat
+    from jobrun.locks import lease
+
+    return lease.beat(settings.heartbeat, kept=settings.lease_connection == "kept")
 
 
 def _lock(
@@ -189,7 +206,8 @@ def _lock(
             log,
             ttl=settings.ttl,
             lifetime=settings.lifetime,
-            heartbeat=settings.heartbeat,
+            heartbeat=_beat(settings),
+            renew_every=settings.heartbeat,
         )
     from jobrun.locks.session import SessionLock
 
@@ -216,7 +234,7 @@ def _recorder(
     """The run's history recorder (a null one with --no-history, which still writes metrics).
 
     Its calls go over the run's session (session mode: the one server session of the run;
-    lease mode: the connections of the attempt and of the release).
+    lease mode: the kept connection, or those of the attempt and of the release).
     """
     from pathlib import Path
 

@@ -34,12 +34,16 @@ class ServerSession:
     by the caller is cut short when the network goes silent under it.
 
     ``held`` (session mode): opened by the acquisition, kept until the run closes it; once
-    it is gone the lock is gone with it, and it is never reopened. Otherwise (lease mode)
-    the session is open only between two of the lock's statements: ``rest`` closes it
-    before the child starts, ``resume`` opens it for the run's last statements (the end row
-    and the release), and nothing is held while the child runs or while ``--wait`` waits.
-    ``lends``: the lease's connections carry the history's calls (not with ``--slots``:
-    there each attempt closes its own).
+    it is gone the lock is gone with it, and it is never reopened. ``keeps`` (lease mode,
+    ``--lease-connection kept``, the default): one connection for the whole run, carrying
+    the attempt, the history, every heartbeat and the release; a connection that failed is
+    reopened by the next heartbeat (``kept``), since a lease does not live in a session.
+    Neither (``--lease-connection per-renewal``): the session is open only between two of
+    the lock's statements: ``rest`` closes it before the child starts, ``resume`` opens it
+    for the run's last statements (the end row and the release), each renewal connects on
+    its own, and nothing is held while the child runs. Nothing is held while ``--wait``
+    waits, in either lease case. ``lends``: the lease's connections carry the history's
+    calls (not with ``--slots``: there each attempt closes its own).
     """
 
     def __init__(
@@ -49,11 +53,13 @@ class ServerSession:
         app_name: str,
         held: bool,
         lends: bool = True,
+        keeps: bool = False,
         comment: str = "",
     ) -> None:
         self.target = target
         self.app_name = app_name
         self.held = held
+        self.keeps = keeps and not held
         self.lends = lends
         #: Who holds the lock, as a SQL comment on every statement (session mode): a run
         #: finding the lock held names us from pg_stat_activity.query.
@@ -66,9 +72,9 @@ class ServerSession:
         self._changed = threading.Condition()
 
     def open(self) -> Connection:
-        """The session's connection: the one open (session mode: kept), or a new one."""
+        """The session's connection: the one open (held or kept), or a new one."""
         conn = self.connection()
-        if conn is not None and self.held:
+        if conn is not None and (self.held or self.keeps):
             return conn
         self.close()
         self._conn = db.connect(self.target, app_name=self.app_name)
@@ -105,6 +111,27 @@ class ServerSession:
             if bound is not None:
                 self._arm(token, None)
 
+    def kept(
+        self, bound: float | None = None
+    ) -> contextlib.AbstractContextManager[Connection | None]:
+        """Lease mode, kept: ``use`` of the run's connection, reopened first if it failed.
+
+        Reconnecting (with the connect deadline and backoff of ``db.connect``) happens
+        outside the turn, so a history call is not held up by it; a connection that broke
+        again before this use gets None (the caller's check fails, the next one reopens).
+        Raises LockStoreUnavailable when no connection can be had.
+        """
+        if self.connection() is None:
+            fresh = db.connect(self.target, app_name=self.app_name)
+            with self._turn:
+                spare = self.connection() is not None  # another party reopened it meanwhile
+                if not spare:
+                    self.close()
+                    self._conn = fresh
+            if spare:
+                fresh.close()
+        return self.use(bound)
+
     def busy(self) -> bool:
         """Whether a use is in progress (its answer is then being read by it, not by us)."""
         if self._turn.acquire(blocking=False):
@@ -140,16 +167,20 @@ class ServerSession:
         db.cut(self._conn)
 
     def rest(self) -> None:
-        """Lease mode: close the connection; nothing is held while the child runs."""
-        if not self.held:
+        """Lease mode, per renewal: close the connection; nothing is held while the child runs.
+
+        Kept (or held), the connection stays: the heartbeat goes on over it.
+        """
+        if not self.held and not self.keeps:
             self.close()
 
     def resume(self, log: FilteringBoundLogger) -> None:
-        """Lease mode: open the connection for the run's last statements. Never raises.
+        """Lease mode: the connection for the run's last statements. Never raises.
 
-        Without it, the end row and the release connect on their own.
+        Kept, it is reopened only if it failed. Without it, the end row and the release
+        connect on their own.
         """
-        if self.held or not self.lends:
+        if self.held or not (self.lends or self.keeps):
             return
         try:
             self.open()

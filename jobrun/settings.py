@@ -90,6 +90,13 @@ class Settings:
     #: Worked out when not given: 1 s (session), from --ttl and --kill-after (lease).
     heartbeat: float = declared(options.heartbeat)
     ttl: float = declared(options.ttl)
+    lease_connection: str = option(
+        "--lease-connection",
+        click.Choice(["kept", "per-renewal"]),
+        default="kept",
+        help="Lease mode: one connection kept for the run, a heartbeat a second over it "
+        "(kept), or one connection per renewal, none held between them (per-renewal).",
+    )
     skip_exit_code: int = option(
         "--skip-exit-code",
         click.IntRange(0, 255),

@@ -65,7 +65,9 @@ class Watchdog:
         if thread is not None:
             thread.join(timeout=1.0)
             if thread.is_alive():
-                if self._session.held:  # a lease's renewal has a connection of its own
+                # Per-renewal lease checks have a connection of their own (bounded by its
+                # connect deadline and tcp_user_timeout); held and kept ones use the session's.
+                if self._session.held or self._session.keeps:
                     self._session.cut()
                 thread.join(timeout=2.0)
         os.close(self._stop_w)

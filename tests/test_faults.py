@@ -347,17 +347,23 @@ class TestAmbiguousHeartbeatErrors:
         end_cleanly(proc, go, log)
 
     @pytest.mark.fault
+    @pytest.mark.parametrize("connection", ["per-renewal", "kept"])
     def test_lease_renewals_refused_for_a_while_are_retried(
-        self, private_server, proxy, key, tmp_path
+        self, private_server, proxy, key, tmp_path, connection
     ):
-        """Lease mode: renewals that cannot connect are retried; once through, the run goes on."""
+        """Lease mode: renewals that cannot connect are retried; once through, the run goes on.
+
+        Kept: the run's connection is dropped too, so the next beat must reconnect (a
+        connection that failed is reopened, never fatal by itself)."""
         cut = proxy(private_server.host, private_server.port)
         proc, go, log = start_waiting(
             tmp_path, "--key", key, "--mode", "lease", "--ttl", "20s", "--kill-after", "2s",
-            "--heartbeat", "1s", "--connect-timeout", "1s",
+            "--heartbeat", "1s", "--connect-timeout", "1s", "--lease-connection", connection,
             dsn=cut.dsn_for(private_server.dsn()),
         )  # fmt: skip
-        cut.refuse()  # each renewal opens a connection of its own: each one is refused now
+        cut.refuse()  # each new connection is refused now
+        if connection == "kept":
+            cut.drop_all()  # and the kept one is gone: the next beat reconnects
         wait_until(lambda: '"heartbeat_failed"' in log.read_text(), what="a refused renewal")
         cut.restore()
         wait_until(lambda: '"heartbeat_recovered"' in log.read_text(), what="a renewal again")
@@ -427,6 +433,41 @@ class TestPooler:
         stderr = jobrun_cli.signal_and_wait(proc, signal.SIGTERM)
         assert proc.returncode == 143, stderr
         assert "heartbeat_failed" not in stderr
+
+    def test_kept_lease_connections_share_one_server_connection(
+        self, pgbouncer, pg_address, dsn, key, tmp_path
+    ):
+        """Two lease runs keep their connections through PgBouncer with ONE server
+        connection: between their statements (each its own transaction) neither holds it.
+        Both beat and renew through it, and ``jobrun stop`` reaches one of them."""
+        bouncer = pgbouncer(*pg_address, pool_mode="transaction", default_pool_size=1)
+        pooled = bouncer.dsn_for(dsn)
+        # Renewals every ttl/3 or so (3.3 s), a beat every second between them.
+        args = ("--mode", "lease", "--ttl", "12s", "--kill-after", "1s")
+        runs = {}
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            runs[name] = start_waiting(tmp_path / name, *args, "--key", f"{key}-{name}", dsn=pooled)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM jobrun.leases WHERE key = ANY(%s)"
+                        " AND renewed_at > acquired_at",
+                        ([f"{key}-a", f"{key}-b"],),
+                    ).fetchone()
+                    == (2,)
+                ),
+                what="both leases renewed through the pooler",
+            )
+        stop = jobrun_cli.run("stop", f"{key}-a", "--wait", "0s", dsn=pooled)
+        assert "asked run" in stop.stderr, stop.stderr  # exit 3: not ended within 0s
+        proc, _, log = runs["a"]
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 77, stderr
+        end_cleanly(*runs["b"])
+        for _, _, log in runs.values():
+            assert "heartbeat_failed" not in log.read_text()
 
     def test_lease_history_through_transaction_pooling(
         self, pgbouncer, pg_address, dsn, key, children

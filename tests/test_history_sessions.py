@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from jobrun.testing import jobrun_cli
 from jobrun.testing.jobrun_cli import event, events, wait_for_file
 from support.history import ensure_runs_table, rows_of
@@ -101,11 +103,12 @@ with psycopg.connect(sys.argv[1], autocommit=True) as conn:
 
 
 class TestLeaseModeSessions:
-    """Lease mode holds no connection between statements, but lends each to the history."""
+    """Lease mode keeps one connection for the run (``--lease-connection kept``), lent to the
+    history; per renewal, it holds none between statements."""
 
-    def test_a_lease_run_opens_two_sessions(self, fresh_dsn, key):
-        """A run before its first renewal: the attempt (with the history's start) and the
-        release (with the history's end). Both rows' calls went over them."""
+    def test_a_lease_run_opens_one_session(self, fresh_dsn, key):
+        """A run: the attempt, the history's start and end and the release, over one
+        connection. Both rows' calls went over it."""
         first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # the schema exists from here on
         with SessionCounter(fresh_dsn) as counter:
@@ -114,17 +117,17 @@ class TestLeaseModeSessions:
                 dsn=fresh_dsn,
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
-            run_sessions = counter.ended_since_start(2)
+            run_sessions = counter.ended_since_start(1)
         print(f"lease mode: run {run_sessions} sessions")
-        assert run_sessions == 2
+        assert run_sessions == 1
         assert "history_failed" not in result.stderr
         calls = event(result.stderr, "history_calls")
         assert (calls["round_trips"], calls["sessions"]) == (2, 0)
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
 
-    def test_each_renewal_opens_one_session(self, fresh_dsn, key):
-        """Attempt and release, plus one per renewal (and the child's own, which waits until
-        it has seen its lease renewed): never more than one connection per renewal."""
+    def test_renewals_go_over_the_kept_connection(self, fresh_dsn, key):
+        """However many beats and renewals: the run's one connection, and the child's own
+        (which waits until it has seen its lease renewed)."""
         ensure_runs_table(fresh_dsn)
         first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr  # the lease table exists from here on
@@ -134,33 +137,60 @@ class TestLeaseModeSessions:
                 "--", sys.executable, "-c", UNTIL_RENEWED, fresh_dsn, key, dsn=fresh_dsn,
             )  # fmt: skip
             assert result.returncode == 0, result.stderr
+            beats = [e for e in events(result.stderr) if e["event"] == "lock_confirmed"]
+            assert beats, result.stderr
+            sessions = counter.ended_since_start(2)
+        print(f"lease mode, kept: {len(beats)} beats, {sessions} sessions")
+        assert sessions == 2
+        assert "history_failed" not in result.stderr
+
+    def test_each_renewal_opens_one_session_per_renewal(self, fresh_dsn, key):
+        """--lease-connection per-renewal: attempt and release, plus one per renewal (and the
+        child's own): never more than one connection per renewal."""
+        ensure_runs_table(fresh_dsn)
+        first = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
+        assert first.returncode == 0, first.stderr  # the lease table exists from here on
+        with SessionCounter(fresh_dsn) as counter:
+            result = jobrun_cli.run(
+                "--mode", "lease", "--lease-connection", "per-renewal", "--heartbeat", "200ms",
+                "--key", key, "--log-level", "debug",
+                "--", sys.executable, "-c", UNTIL_RENEWED, fresh_dsn, key, dsn=fresh_dsn,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
             renewals = [e for e in events(result.stderr) if e["event"] == "lock_confirmed"]
             assert renewals, result.stderr
             sessions = counter.ended_since_start(2 + len(renewals) + 1)
-        print(f"lease mode: {len(renewals)} renewals, {sessions} sessions")
+        print(f"lease mode, per renewal: {len(renewals)} renewals, {sessions} sessions")
         assert sessions == 2 + len(renewals) + 1
         assert "history_failed" not in result.stderr
 
-    def test_no_connection_is_open_while_the_lease_child_runs(self, fresh_dsn, key, tmp_path):
-        """The attempt's connection, lent to the history's start, is closed before the child
-        starts (and the release's is opened only after it ended)."""
+    @pytest.mark.parametrize(("connection", "open_meanwhile"), [("per-renewal", 0), ("kept", 1)])
+    def test_connections_open_while_the_lease_child_runs(
+        self, fresh_dsn, key, tmp_path, connection, open_meanwhile
+    ):
+        """Per renewal, the attempt's connection, lent to the history's start, is closed
+        before the child starts (and the release's is opened only after it ended); kept,
+        the run's one connection is the only one open."""
         ensure_runs_table(fresh_dsn)
         seen = tmp_path / "seen"
-        # No renewal while the child looks: the first heartbeat is an hour away.
+        # No renewal while the child looks: the first one is an hour away.
         result = jobrun_cli.run(
-            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--lease-connection",
+            connection, "--key", key, "--",
             sys.executable, "-c", OTHER_SESSIONS, fresh_dsn, str(seen), dsn=fresh_dsn,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
-        assert seen.read_text() == "0"
+        assert seen.read_text() == str(open_meanwhile)
 
     def test_a_lease_skip_opens_one_session(self, fresh_dsn, key, tmp_path):
         """A skip: the attempt names the holder, and its connection carries the skip row."""
         ensure_runs_table(fresh_dsn)
         marker = tmp_path / "child"
-        # No renewal while the skip is counted: its first heartbeat is an hour away.
+        # No renewal while the skip is counted: its first heartbeat is an hour away, and
+        # no connection of the holder's is open meanwhile (per renewal).
         holder = jobrun_cli.start(
-            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--key", key, "--",
+            "--mode", "lease", "--ttl", "3h", "--heartbeat", "1h",
+            "--lease-connection", "per-renewal", "--key", key, "--",
             *jobrun_cli.holder_marker(marker), dsn=fresh_dsn,
         )  # fmt: skip
         try:
@@ -195,17 +225,20 @@ class TestLeaseModeSessions:
         again = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=fresh_dsn)
         assert again.returncode == 0, again.stderr  # the lease was released
 
-    def test_a_lease_run_with_min_hold_lends_nothing_across_the_hold(self, fresh_dsn, key):
-        """--min-hold: the end row is written before the hold on a connection of its own,
-        the release after it on another: nothing is held open while the run waits."""
+    @pytest.mark.parametrize(("connection", "sessions"), [("per-renewal", 3), ("kept", 1)])
+    def test_a_lease_run_with_min_hold(self, fresh_dsn, key, connection, sessions):
+        """--min-hold, per renewal: the end row is written before the hold on a connection
+        of its own, the release after it on another: nothing is held open while the run
+        waits. Kept: the run's one connection carries both (its beats go on in the hold)."""
         ensure_runs_table(fresh_dsn)
-        args = ("--mode", "lease", "--key", key, "--min-hold", "1s", "--", "true")
+        args = ("--mode", "lease", "--lease-connection", connection, "--key", key,
+                "--min-hold", "1s", "--", "true")  # fmt: skip
         first = jobrun_cli.run(*args, dsn=fresh_dsn)
         assert first.returncode == 0, first.stderr
         with SessionCounter(fresh_dsn) as counter:
             result = jobrun_cli.run(*args, dsn=fresh_dsn)
             assert result.returncode == 0, result.stderr
-            assert counter.ended_since_start(3) == 3
+            assert counter.ended_since_start(sessions) == sessions
         assert event(result.stderr, "holding")["reason"] == "min_hold"
         assert [row["outcome"] for row in rows_of(fresh_dsn, key)] == ["succeeded"] * 2
 
@@ -214,12 +247,16 @@ class TestLeaseModeSessions:
         takes one of its own (3 sessions), and is written."""
         ensure_runs_table(fresh_dsn)
         args = ("--mode", "lease", "--ttl", "3h", "--heartbeat", "1h", "--slots", "2")
+        # The holders keep no connection open while the skip is counted (per renewal).
+        holding = (*args, "--lease-connection", "per-renewal")
         holders = []
         try:
             for n in range(2):
                 marker = tmp_path / f"child{n}"
                 child = jobrun_cli.holder_marker(marker)
-                holders.append(jobrun_cli.start(*args, "--key", key, "--", *child, dsn=fresh_dsn))
+                holders.append(
+                    jobrun_cli.start(*holding, "--key", key, "--", *child, dsn=fresh_dsn)
+                )
                 wait_for_file(marker)
             with SessionCounter(fresh_dsn) as counter:
                 skip = jobrun_cli.run(*args, "--key", key, "--", "true", dsn=fresh_dsn)

@@ -81,11 +81,19 @@ class ServerLocks:
                 target, app_name="jobrun:test", held=True, comment=holder_comment(identity)
             )
             lock = SessionLock(lock_keys, session, identity, log, heartbeat=1.0, kill_after=10.0)
-        else:
+        elif self.mode == "lease":
             session = ServerSession(target, app_name="jobrun:test", held=False)
             lock = LeaseLock(
                 lock_keys, session, identity, log, ttl=60.0, lifetime=20.0, heartbeat=1.0
             )
+        else:
+            # A run's kept connection, a beat a second, a renewal every 5 s: a check right
+            # after the acquisition renews nothing, it sees whether the leases are still ours.
+            session = ServerSession(target, app_name="jobrun:test", held=False, keeps=True)
+            lock = LeaseLock(
+                lock_keys, session, identity, log, ttl=60.0, lifetime=20.0, heartbeat=1.0,
+                renew_every=5.0,
+            )  # fmt: skip
         self._made.append((lock, session))
         return lock, identity
 
@@ -118,10 +126,11 @@ class ServerLocks:
         # Explicitly: the server is asked for with getfixturevalue, unseen at collection.
         pytest.param("session", marks=pytest.mark.pg),
         pytest.param("lease", marks=pytest.mark.pg),
+        pytest.param("lease-kept", marks=pytest.mark.pg),
     ]
 )
 def locks(request: pytest.FixtureRequest) -> Iterator[MemoryLocks | ServerLocks]:
-    """A factory of locks of one mode (memory, session, lease) over one store."""
+    """A factory of locks of one mode (memory, session, lease, lease-kept) over one store."""
     made: MemoryLocks | ServerLocks
     if request.param == "memory":
         made = MemoryLocks()

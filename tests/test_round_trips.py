@@ -30,7 +30,13 @@ if TYPE_CHECKING:
 # benchmarks/bench_latency.py turns these counts into wall time at a given round trip.
 SESSION_RUN = Calls(sessions=1, statements=6)
 SESSION_SKIP = Calls(sessions=1, statements=4)
-LEASE_RUN = Calls(sessions=2, statements=7)
+#: Lease mode keeps one connection for the run (--lease-connection kept): the attempt, the
+#: history, the beats and the release all go over it (it was 2: one closed before the child
+#: started, one opened for the end row and the release).
+LEASE_RUN = Calls(sessions=1, statements=7)
+#: --lease-connection per-renewal: the attempt's connection is closed before the child starts
+#: and the release opens its own (each renewal would open one more).
+LEASE_RUN_PER_RENEWAL = Calls(sessions=2, statements=7)
 LEASE_SKIP = Calls(sessions=1, statements=6)
 
 # The subcommands, each over its one session (a key run once first, so that it is known).
@@ -116,9 +122,17 @@ class TestLeaseMode:
     """A lease-mode run and skip send today's count of statements and sessions."""
 
     def test_run(self, logged_server, log, key):
-        """A run of true: LEASE_RUN's sessions and statements (no renewal falls in it)."""
+        """A run of true: LEASE_RUN's sessions and statements (a beat is counted apart)."""
         calls = counted(log, logged_server, *LEASE_BEATS, "--key", key, "--", "true", status=0)
         assert calls == LEASE_RUN, calls.explain()
+
+    def test_run_per_renewal(self, logged_server, log, key):
+        """The same run with a connection per renewal: LEASE_RUN_PER_RENEWAL."""
+        calls = counted(
+            log, logged_server, *LEASE_BEATS, "--lease-connection", "per-renewal",
+            "--key", key, "--", "true", status=0,
+        )  # fmt: skip
+        assert calls == LEASE_RUN_PER_RENEWAL, calls.explain()
 
     def test_skip(self, logged_server, log, key, tmp_path):
         """A skip behind a running lease holder: LEASE_SKIP's sessions and statements."""

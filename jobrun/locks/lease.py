@@ -16,6 +16,7 @@ from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
 from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
+from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 
 #: Longest pause between two attempts while ``--wait`` lasts.
 _WAIT_POLL = 1.0
+
+#: Longest pause between two heartbeats over a kept connection (seconds): the stop check's.
+_KEPT_BEAT = 1.0
 
 
 def safety_margin(ttl: float) -> float:
@@ -87,6 +91,16 @@ class LeaseTiming:
             )
 
 
+def beat(renewal: float, *, kept: bool) -> float:
+    """Seconds between two heartbeats of a lease run that renews every ``renewal`` seconds.
+
+    Kept connection: a beat of at most 1 s (one statement: the stop-request lookup, with the
+    lease's own check or, when due, its renewal), so ``jobrun stop`` reaches the run within
+    about a second. Per renewal: every beat is a renewal on a connection of its own.
+    """
+    return min(_KEPT_BEAT, renewal) if kept else renewal
+
+
 def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[float, float]:
     """(heartbeat, lifetime) of a valid LeaseTiming; kept for callers of the tuple form."""
     checked = LeaseTiming.from_options(ttl=ttl, kill_after=kill_after, heartbeat=heartbeat)
@@ -94,11 +108,17 @@ def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[floa
 
 
 class LeaseLock:
-    """Leases in ``jobrun.leases``; no connection is held between statements.
+    """Leases in ``jobrun.leases``, renewed every ``renew_every`` seconds.
 
     The run's server session (``jobrun.session``) carries the attempt and the release, and
-    between them (when it ``lends``) the history's calls right after resp. before them;
-    the run closes it before the child starts. Each renewal takes a connection of its own.
+    between them (when it ``lends``) the history's calls. When it ``keeps`` its connection,
+    every heartbeat (``check``, every ``heartbeat`` seconds) goes over it too, reopened
+    after a failure; otherwise each check is a renewal on a connection of its own.
+
+    WARNING: a heartbeat that renews nothing vouches for nothing new: the lease is vouched
+    for only from the last renewal *sent* (``confirmation_lifetime`` counts from it).
+    Nothing here is session-scoped (each statement is its own transaction), so the kept
+    connection may go through a transaction pooler.
     """
 
     def __init__(
@@ -111,6 +131,7 @@ class LeaseLock:
         ttl: float,
         lifetime: float,
         heartbeat: float,
+        renew_every: float | None = None,
     ) -> None:
         self._keys = keys
         self._session = session
@@ -118,9 +139,22 @@ class LeaseLock:
         self._identity = identity
         self._log = log
         self._ttl = ttl
-        self.confirmation_lifetime = lifetime
+        self._lifetime = lifetime
         self._lock_wait = lock_wait(heartbeat)
+        self._heartbeat = heartbeat
+        # WARNING: a beat over the kept connection with no answer this long is cut (a silent
+        # network: the next beat reconnects), but never sooner than a renewal interval: a
+        # beat queued behind a busy transaction pooler must not be cut into a reconnection
+        # storm. A renewal cut at its bound is retried half a beat later, still well within
+        # the lifetime (two renewal intervals fit in it: LeaseTiming).
+        self._beat_bound = max(lock_wait(heartbeat) + SILENCE_GRACE, renew_every or heartbeat)
+        #: None: every check renews.
+        self._renew_every = renew_every
+        #: When the acquisition was sent (the first renewal, in effect).
         self.confirmed_at = 0.0
+        #: When the last successful renewal and heartbeat were sent (0: none since then).
+        self._renewed_sent = 0.0
+        self._beat_sent = 0.0
         self._app_name = session.app_name
         self._held = False
         #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
@@ -138,6 +172,24 @@ class LeaseLock:
             # A stop request counts only if it names one of these (the label or a key's).
             "stop_keys": list(dict.fromkeys([describe(keys), *(key.label for key in keys)])),
         }
+
+    @property
+    def confirmation_lifetime(self) -> float:
+        """From the last heartbeat sent: what the last renewal sent still vouches for."""
+        renewed = max(self._renewed_sent, self.confirmed_at)
+        return self._lifetime - (max(self._beat_sent, self.confirmed_at) - renewed)
+
+    def _renewal_due(self, now: float) -> bool:
+        """Whether the beat sent at ``now`` renews the leases.
+
+        It does when the next beat would come ``renew_every`` or more after the last
+        renewal sent: renewals are never further apart than that (two of them fit in the
+        lifetime: LeaseTiming), and with ``renew_every`` == ``heartbeat`` every beat renews.
+        """
+        if self._renew_every is None:
+            return True
+        renewed = max(self._renewed_sent, self.confirmed_at)
+        return now + self._heartbeat >= renewed + self._renew_every
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every lease that is free or expired, or none; retry while ``wait`` lasts."""
@@ -227,34 +279,60 @@ class LeaseLock:
         return session_holder(label, session)
 
     def check(self) -> None:
-        """Renew every lease, owner-checked; a lease that is no longer ours is lost."""
+        """One heartbeat: renew every lease when due, else see that they are still ours.
+
+        One statement either way, which also reads a ``jobrun stop`` request for us, where
+        it can. A lease that is no longer ours is lost. Only a renewal moves the deadline
+        (``confirmation_lifetime``); a failed or unanswered one is retried at the next beat.
+        """
+        sent = time.monotonic()
+        renew = self._renewal_due(sent)
+        what = "renewing the lease" if renew else "checking the lease"
         try:
-            with db.connect(self._target, app_name=self._app_name) as conn:
-                # The renewal also reads a ``jobrun stop`` request for us, where it can.
-                # Each statement waits for a table lock only so long: a lock on the stop
-                # requests' table costs the lookup, never the renewal (nor the run). One on
-                # the lease table fails the renewal itself: an ambiguous heartbeat, retried
-                # until the lease would expire.
-                renewed, request = self._stop_probe.check(
-                    lambda: bounded_row(
-                        conn, sql.LEASE_RENEW_OR_STOP, self._params, wait=self._lock_wait
-                    ),
-                    lambda: self._renew_alone(conn),
-                )
+            if self._session.keeps:
+                with self._session.kept(self._beat_bound) as conn:
+                    if conn is None:
+                        raise LockStoreUnavailable(f"{what}: the connection broke")
+                    count, request = self._beat(conn, renew=renew)
+            else:
+                with db.connect(self._target, app_name=self._app_name) as conn:
+                    count, request = self._beat(conn, renew=renew)
         except psycopg.Error as exc:
-            raise db.unavailable(exc, self._target, "renewing the lease") from None
+            raise db.unavailable(exc, self._target, what) from None
         if request is not None and self.stop_request is None:
             self.stop_request = request
-        if renewed != len(self._keys):
+        if count != len(self._keys):
             # _held stays True: the leases still ours (just renewed) must be deleted in
             # release(), which is owner-checked and so never touches the lost ones.
             raise LockLost(
-                f"the lease was taken over or released ({renewed} of {len(self._keys)} still ours)"
+                f"the lease was taken over or released ({count} of {len(self._keys)} still ours)"
             )
+        if renew:
+            self._renewed_sent = sent
+        self._beat_sent = sent
 
-    def _renew_alone(self, conn: psycopg.Connection[tuple[object, ...]]) -> int:
-        """Renew without the stop-request lookup: how many leases are still ours."""
-        row = bounded_row(conn, sql.LEASE_RENEW_COUNT, self._params, wait=self._lock_wait)
+    def _beat(
+        self, conn: psycopg.Connection[tuple[object, ...]], *, renew: bool
+    ) -> tuple[int, dict[str, object] | None]:
+        """The heartbeat's one statement: (leases renewed or still ours, a stop request).
+
+        Each statement waits for a table lock only so long: a lock on the stop requests'
+        table costs the lookup, never the lease check (nor the run). One on the lease table
+        fails the check itself: an ambiguous heartbeat, retried until the lease would expire.
+        """
+        with_stop, alone = (
+            (sql.LEASE_RENEW_OR_STOP, sql.LEASE_RENEW_COUNT)
+            if renew
+            else (sql.LEASE_HELD_OR_STOP, sql.LEASE_HELD)
+        )
+        return self._stop_probe.check(
+            lambda: bounded_row(conn, with_stop, self._params, wait=self._lock_wait),
+            lambda: self._count_alone(conn, alone),
+        )
+
+    def _count_alone(self, conn: psycopg.Connection[tuple[object, ...]], statement: str) -> int:
+        """The heartbeat without the stop-request lookup: how many leases are still ours."""
+        row = bounded_row(conn, statement, self._params, wait=self._lock_wait)
         return int(str(row[0])) if row else 0
 
     def release(self) -> None:

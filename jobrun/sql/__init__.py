@@ -6,6 +6,7 @@ from jobrun.sql.control import (
     CONTROL_SCHEMA,
     EXPECTATION,
     HELD_BY_US_OR_STOP,
+    LEASE_HELD_OR_STOP,
     LEASE_RENEW_OR_STOP,
     PAUSE,
     PAUSE_UNCLAIMED,
@@ -80,6 +81,7 @@ from jobrun.sql.history import (
 )
 from jobrun.sql.lease import (
     LEASE_ACQUIRE,
+    LEASE_HELD,
     LEASE_HOLDERS,
     LEASE_NO_SESSION_LOCK,
     LEASE_RELEASE,
@@ -150,6 +152,8 @@ __all__ = [
     "HELD_BY_US",
     "HELD_BY_US_OR_STOP",
     "LEASE_ACQUIRE",
+    "LEASE_HELD",
+    "LEASE_HELD_OR_STOP",
     "LEASE_HOLDERS",
     "LEASE_NO_SESSION_LOCK",
     "LEASE_RELEASE",

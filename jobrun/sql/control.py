@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobrun.sql.lease import LEASE_RENEW
+from jobrun.sql.lease import LEASE_HELD, LEASE_RENEW
 
 #: ``jobrun stop`` writes a row for the run it stops, by run id (a request never reaches the
 #: next run); that run's heartbeat reads it. ``jobrun pause`` writes one row per key label.
@@ -59,6 +59,15 @@ SELECT (SELECT count(*) FROM pg_locks
 LEASE_RENEW_OR_STOP = f"""
 WITH renewed AS ({LEASE_RENEW})
 SELECT (SELECT count(*) FROM renewed),
+       (SELECT row_to_json(s)::text FROM (
+            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
+            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
+"""  # noqa: S608 - composed of this package's constants only
+
+#: Lease mode's heartbeat when no renewal is due (LEASE_HELD: the leases still ours) and a
+#: stop request for this run naming one of its keys, in one statement.
+LEASE_HELD_OR_STOP = f"""
+SELECT ({LEASE_HELD}),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
             WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)

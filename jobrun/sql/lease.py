@@ -78,5 +78,12 @@ RETURNING lock_id
 #: The renewal alone, as one row: how many leases it renewed.
 LEASE_RENEW_COUNT = f"WITH renewed AS ({LEASE_RENEW}) SELECT count(*) FROM renewed"  # noqa: S608 - constants only
 
+#: A heartbeat with no renewal due: how many of the leases are still ours and unexpired.
+LEASE_HELD = """
+SELECT count(*) FROM jobrun.leases
+WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND owner = %(owner)s::uuid
+  AND expires_at > clock_timestamp()
+"""
+
 #: Release only what is still ours: a stale run can never release a newer run's lease.
 LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s"

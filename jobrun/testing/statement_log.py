@@ -26,8 +26,10 @@ _PID = re.compile(r"\A\d{4}-\d\d-\d\d [\d:.]+ \S+ \[(\d+)\]")
 #: A simple query ("statement:") or an extended-protocol execute ("execute <unnamed>:");
 #: a simple query holding several statements is one message, counted once.
 _STATEMENT = re.compile(r"LOG:  (statement|execute [^:]*):")
-#: Session mode's heartbeat check (HELD_BY_US, HELD_BY_US_OR_STOP): its own count.
-_CHECK = "AND pid = pg_backend_pid()"
+#: Heartbeat checks, their own count: session mode's (HELD_BY_US, HELD_BY_US_OR_STOP), and
+#: every message sent with a heartbeat's lock_timeout first (stops.bounded_row: lease mode's
+#: beats, which a run's kept connection sends every second).
+_CHECKS = ("AND pid = pg_backend_pid()", "SELECT set_config('lock_timeout',")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class StatementLog:
         sent = [
             entry for entry in entries if _STATEMENT.search(entry) and set(_pids(entry)) & sessions
         ]
-        checks = sum(_CHECK in entry for entry in sent)
+        checks = sum(any(check in entry for check in _CHECKS) for entry in sent)
         logged = tuple(_shortened(entry) for entry in sent)
         return Calls(len(sessions), len(sent) - checks, checks, logged)
 
