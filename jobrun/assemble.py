@@ -200,6 +200,7 @@ def _lock(
         log,
         heartbeat=settings.heartbeat,
         kill_after=settings.kill_after,
+        fence=settings.fence,
     )
 
 

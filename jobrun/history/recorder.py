@@ -209,8 +209,22 @@ class Recorder:
             "failed": outcome in FAILURES,
             "deadlocks_at_start": self._deadlocks_at_start,
         }
-        result = self._calls.run("recording the end", (sql.RUNS_FINISH, sql.RUNS_PRUNE), params)
+        statements = [sql.RUNS_FINISH, sql.RUNS_PRUNE]
+        kept = self.notifier.output
+        if kept is not None and kept.used and exit_code != 0:
+            # --keep-output: a failed run's tails ride in the end row's message.
+            statements.append(sql.RUNS_STORE_TAIL)
+            params.update(stdout=kept.stdout_tail, stderr=kept.stderr_tail)
+        # The run's last call: it carries the lock's release (no round trip of its own).
+        result = self._calls.run("recording the end", statements, params, last=True)
         row = result[0][0] if result else None
+        if kept is not None and result is not None and sql.RUNS_STORE_TAIL in statements:
+            kept.stored = True  # not again after the release
+            self._log.info(
+                "output_stored",
+                stdout_bytes=len(kept.stdout_tail),
+                stderr_bytes=len(kept.stderr_tail),
+            )
         self.notifier.metrics(
             outcome,
             exit_code,
@@ -266,6 +280,7 @@ class Recorder:
             "recording the skip",
             (sql.RUNS_SKIP_SERIALIZE, sql.RUNS_SKIP, sql.RUNS_PRUNE),
             params,
+            last=True,
         )
         row = result[1][0] if result else None
         self.notifier.metrics(
