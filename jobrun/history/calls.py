@@ -92,6 +92,7 @@ class Calls:
         *,
         without_control: Sequence[str] | None = None,
         last: bool = False,
+        otherwise: Sequence[str] | None = None,
     ) -> list[Rows] | None:
         """The rows of each statement, or None (warned) when the history is unavailable.
 
@@ -100,11 +101,20 @@ class Calls:
         operators' tables (pauses, expectations), sent when this role is refused them.
         ``last``: the run's last call, which carries the lock's release where the lock left
         it one on the run's session (``ServerSession.end_with``): no round trip of its own.
+        ``otherwise``: the call without an extra it carries (a failed run's output tails),
+        sent when the server refused the call (a role that may not add the tails' columns
+        must not lose its end row to them).
         """
         if self.gave_up:
             return None
         try:
-            return self._on_connection(statements, params, last=last)
+            try:
+                return self._on_connection(statements, params, last=last)
+            except psycopg.Error as exc:
+                if otherwise is None or isinstance(exc, psycopg.OperationalError):
+                    raise
+                self._log.debug("history_call_narrowed", error=db.one_line(exc, self._target))
+                return self._on_connection(otherwise, params, last=last)
         except errors.InsufficientPrivilege as exc:
             rows = self._without_control(during, exc, without_control, params)
             if rows is not None:
@@ -170,13 +180,18 @@ class Calls:
                 self._on_lock_session = conn is not None and session.held
                 if conn is not None:
                     ending = session.take_ending() if last else None
-                    rows = self._send(
-                        conn,
-                        statements,
-                        params,
-                        prefix=session.comment,
-                        ending=ending[0] if ending else "",
-                    )
+                    try:
+                        rows = self._send(
+                            conn,
+                            statements,
+                            params,
+                            prefix=session.comment,
+                            ending=ending[0] if ending else "",
+                        )
+                    except BaseException:
+                        if ending is not None:  # not released: for a retry, or the lock
+                            session.end_with(*ending)
+                        raise
                     if ending is not None:
                         ending[1]()  # the message went through: so did the release
                     return rows

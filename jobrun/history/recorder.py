@@ -216,9 +216,18 @@ class Recorder:
             statements.append(sql.RUNS_STORE_TAIL)
             params.update(stdout=kept.stdout_tail, stderr=kept.stderr_tail)
         # The run's last call: it carries the lock's release (no round trip of its own).
-        result = self._calls.run("recording the end", statements, params, last=True)
+        result = self._calls.run(
+            "recording the end",
+            statements,
+            params,
+            last=True,
+            otherwise=statements[:2] if len(statements) > 2 else None,  # noqa: PLR2004
+        )
         row = result[0][0] if result else None
-        if kept is not None and result is not None and sql.RUNS_STORE_TAIL in statements:
+        if kept is not None and result and any(r and "tails_stored" in r[0] for r in result):
+            # The tails' result came back (a refused call was sent again without them:
+            # they are then stored after the release, on a session of their own, which says
+            # why they could not be).
             kept.stored = True  # not again after the release
             self._log.info(
                 "output_stored",

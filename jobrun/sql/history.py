@@ -308,6 +308,7 @@ ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
 RUNS_STORE_TAIL = """
 UPDATE jobrun.runs SET stdout_tail = %(stdout)s, stderr_tail = %(stderr)s
 WHERE run_id = %(run_id)s
+RETURNING true AS tails_stored
 """
 
 RUNS_TAIL = """
