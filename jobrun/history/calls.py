@@ -113,7 +113,7 @@ class Calls:
             except psycopg.Error as exc:
                 if otherwise is None or isinstance(exc, psycopg.OperationalError):
                     raise
-                self._log.debug("history_call_narrowed", error=db.one_line(exc, self._target))
+                # No line of its own: what was left out says why (output_not_stored).
                 return self._on_connection(otherwise, params, last=last)
         except errors.InsufficientPrivilege as exc:
             rows = self._without_control(during, exc, without_control, params)

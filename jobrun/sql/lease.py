@@ -88,7 +88,7 @@ LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND
 #: before this statement began) and the session-mode holder (pg_locks, live). Several keys
 #: take the transaction of LEASE_NO_SESSION_LOCK and LEASE_ACQUIRE: all or none of them.
 LEASE_TAKE_ONE = """
-WITH free AS MATERIALIZED (
+WITH free AS (
     SELECT bool_and(pg_try_advisory_xact_lock(id)) AS ok FROM unnest(%(lock_ids)s::int8[]) AS id
 ), taken AS (
     INSERT INTO jobrun.leases AS l
