@@ -14,7 +14,7 @@ from jobrun.locks.session import SessionLock, holder_comment
 from jobrun.session import ServerSession
 
 
-def made(mode: str, dsn: str, name: str) -> tuple[Lock, ServerSession]:
+def made(mode: str, dsn: str, name: str, *, fence: bool = False) -> tuple[Lock, ServerSession]:
     identity = Identity(run_id=new_run_id(), pid=4242)
     target = db.Target(dsn=dsn)
     log = structlog.get_logger()
@@ -23,7 +23,13 @@ def made(mode: str, dsn: str, name: str) -> tuple[Lock, ServerSession]:
             target, app_name="jobrun:test", held=True, comment=holder_comment(identity)
         )
         lock: Lock = SessionLock(
-            (keys.from_name(name),), session, identity, log, heartbeat=1.0, kill_after=10.0
+            (keys.from_name(name),),
+            session,
+            identity,
+            log,
+            heartbeat=1.0,
+            kill_after=10.0,
+            fence=fence,
         )
     else:
         session = ServerSession(target, app_name="jobrun:test", held=False)
@@ -148,3 +154,34 @@ class TestSessionAcquisitionMessage:
             second_session.close()
             first.release()
             first_session.close()
+
+    def test_a_role_kept_out_of_the_schema_still_takes_the_lock(self, fresh_dsn, role, key):
+        """No USAGE on schema jobrun (where leases and the fence exist): to_regclass itself
+        would fail there. The lock is taken all the same, no lease is seen, no token given
+        (the token's own way then says why)."""
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            conn.execute(
+                "CREATE SCHEMA jobrun; CREATE TABLE jobrun.leases (lock_id int8, x int); "
+                "CREATE SEQUENCE jobrun.fence"
+            )
+        outsider = role(database_dsn=fresh_dsn)
+        lock, session = made("session", outsider, key, fence=True)
+        try:
+            assert lock.acquire(0.0) is None
+            assert held_elsewhere(fresh_dsn, "session", key)
+            assert getattr(lock, "fence_token", "missing") is None
+        finally:
+            lock.release()
+            session.close()
+
+    def test_the_fence_token_comes_with_the_lock(self, fresh_dsn, key):
+        """--fence where the sequence exists: a token from the acquisition's message."""
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA jobrun; CREATE SEQUENCE jobrun.fence")
+        lock, session = made("session", fresh_dsn, key, fence=True)
+        try:
+            assert lock.acquire(0.0) is None
+            assert getattr(lock, "fence_token", None) == 1
+        finally:
+            lock.release()
+            session.close()

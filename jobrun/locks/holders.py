@@ -62,7 +62,7 @@ def leased_holder(found: object, log: FilteringBoundLogger, target: db.Target) -
     if found == "unreadable":
         log.warning(
             "lease_check_failed",
-            error=f"permission denied for table leases ({db.describe(target)})",
+            error=f"permission denied for jobrun.leases or its schema ({db.describe(target)})",
             note="lease-mode runs of this key (by other roles) cannot be seen",
         )
         return None

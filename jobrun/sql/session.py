@@ -88,9 +88,11 @@ PIN_SETTINGS = (
 #: a pid of its own: NULL, then the full probe) and on a primary (a standby's locks are its
 #: own). Then, in statements of their own (a snapshot taken after the lock was granted: a
 #: lease written before that is seen), the lease-mode run of a key we took (DO: the table
-#: may not exist, or not be readable; the answer in a setting local to the message), the
+#: may not exist, or be out of reach (to_regclass itself fails without USAGE on the
+#: schema); the answer in a setting local to the message), the
 #: session holding the key when we did not get it, and with --fence a token (only while
-#: we hold the key, and only where the sequence exists, is one, and may be used: else NULL,
+#: we hold the key, and only where the sequence exists, is one, and may be used (read from
+#: the catalog: no name lookup that a missing privilege turns into an error): else NULL,
 #: and the token is taken the other way, which creates the sequence or says what is wrong).
 #: No statement here may fail where lease or fence were never used: a failed message
 #: undoes the settings, while a session lock it took outlives it (the session is closed).
@@ -104,11 +106,7 @@ SELECT set_config('tcp_keepalives_idle', %(idle)s, false),
             THEN pg_try_advisory_lock(%(lock_id)s) END;
 DO $jobrun$
 BEGIN
-  IF to_regclass('jobrun.leases') IS NULL THEN
-    RETURN;
-  ELSIF NOT has_table_privilege('jobrun.leases', 'SELECT') THEN
-    PERFORM set_config('jobrun.leased', 'unreadable', true);
-  ELSE
+  IF to_regclass('jobrun.leases') IS NOT NULL THEN
     PERFORM set_config('jobrun.leased', coalesce((
       SELECT row_to_json(l)::text FROM (
         SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
@@ -117,15 +115,19 @@ BEGIN
           WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND granted AND objsubid = 1)
         ORDER BY lock_id LIMIT 1) AS l), ''), true);
   END IF;
+EXCEPTION WHEN insufficient_privilege THEN  -- the schema or the table
+  PERFORM set_config('jobrun.leased', 'unreadable', true);
 END
 $jobrun$;
 SELECT nullif(current_setting('jobrun.leased', true), '') AS leased,
        h.pid, h.client_addr, h.application_name, h.backend_start, h.query,
-       CASE WHEN %(fence)s AND h.ours THEN
-           CASE WHEN EXISTS (SELECT FROM pg_class
-                             WHERE oid = to_regclass('jobrun.fence') AND relkind = 'S') THEN
-               CASE WHEN has_sequence_privilege(to_regclass('jobrun.fence'), 'USAGE, UPDATE')
-                    THEN nextval(to_regclass('jobrun.fence')) END END END AS fence
+       CASE WHEN %(fence)s AND h.ours THEN (
+           SELECT CASE WHEN has_schema_privilege(n.oid, 'USAGE')
+                            AND has_sequence_privilege(c.oid, 'USAGE, UPDATE')
+                       THEN nextval(c.oid::regclass) END
+           FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+           WHERE n.nspname = 'jobrun' AND c.relname = 'fence' AND c.relkind = 'S'
+       ) END AS fence
 FROM (SELECT 1) AS one
 LEFT JOIN LATERAL (
     SELECT l.pid = pg_backend_pid() AS ours, l.pid, host(a.client_addr) AS client_addr,
