@@ -218,6 +218,7 @@ def _lock(
         log,
         heartbeat=settings.heartbeat,
         kill_after=settings.kill_after,
+        fence=settings.fence,
     )
 
 

@@ -39,7 +39,9 @@ def take(target: db.Target, *, app_name: str, session: ServerSession | None = No
                     # on the lock session (a skipping run reads who holds the key from it).
                     return _next(conn, prefix=session.comment)
                 except (errors.UndefinedTable, errors.InvalidSchemaName):
-                    pass  # created below, on a connection of its own
+                    # The first token of a database: the sequence made and its first value
+                    # taken in one message (one implicit transaction) on the same session.
+                    return _created_next(conn, prefix=session.comment)
     with (
         db.connect(target, app_name=app_name) as conn,
         db.translate_errors(target, "taking a fencing token"),
@@ -91,6 +93,14 @@ class Fence(Listener):
 
     def preparing(self, env: dict[str, str]) -> int | None:
         """Add the token; without one the child never starts (LockLost raised as such)."""
+        # Session mode takes it in the acquisition's message, in a statement after the one
+        # that took the lock, on the lock's own session: the lock was held at the token's
+        # moment by construction (nothing left to confirm), and no round trip is spent.
+        taken = getattr(self._lock, "fence_token", None)
+        if isinstance(taken, int):
+            self._log.info("fence_taken", fence=taken)
+            env[ENV] = str(taken)
+            return None
         try:
             token = issue(
                 self._target,
@@ -113,6 +123,18 @@ def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     with conn.transaction():
         conn.execute(sql.SCHEMA_XACT_LOCK)
         conn.execute(sql.FENCE_SCHEMA)
+
+
+def _created_next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> int:
+    """Create ``jobrun.fence`` (under the schema's lock) and take its next value: one message."""
+    cursor = conn.execute(
+        prefix + f"{sql.SCHEMA_XACT_LOCK};\n{sql.FENCE_SCHEMA.strip()}\n{sql.FENCE_NEXT}"
+    )
+    while cursor.nextset():  # the token is the last result
+        pass
+    row = cursor.fetchone()
+    assert row is not None  # noqa: S101 - nextval always returns a row
+    return int(str(row[0]))
 
 
 def _next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> int:

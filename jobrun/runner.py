@@ -324,6 +324,9 @@ class _GuardedRun:
         """
         if guarded and (hold_until is None or hold_until <= time.monotonic()):
             self.session.resume(self.log)
+        else:
+            # The end row may not carry the release: the lock is still ours during the hold.
+            self.session.end_with(None)
 
 
 def _outcome(ending: supervise.Ending) -> tuple[str, int]:

@@ -14,7 +14,7 @@ from jobrun import db, threads
 from jobrun.exitcodes import LockStoreUnavailable
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from structlog.typing import FilteringBoundLogger
 
@@ -70,6 +70,22 @@ class ServerSession:
         self._deadlines: dict[object, float] = {}
         self._guard: threading.Thread | None = None
         self._changed = threading.Condition()
+        #: The lock's release as SQL (bound), to close the run's last history message.
+        self._ending: tuple[str, Callable[[], None]] | None = None
+
+    def end_with(self, statements: str | None, done: Callable[[], None] = lambda: None) -> None:
+        """Let the run's last history message carry the release (None: it may not).
+
+        ``statements`` (bound already) run after the history's; ``done`` is called once that
+        message went through: the lock is then released. If it fails, nothing was released
+        and the lock's own ``release`` does it.
+        """
+        self._ending = None if statements is None else (statements, done)
+
+    def take_ending(self) -> tuple[str, Callable[[], None]] | None:
+        """The release to send with the run's last history message, once (None: none)."""
+        ending, self._ending = self._ending, None
+        return ending
 
     def open(self) -> Connection:
         """The session's connection: the one open (held or kept), or a new one."""

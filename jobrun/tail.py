@@ -102,6 +102,8 @@ class Capture:
     ) -> None:
         self.size = size
         self._masker = masker
+        #: The tails went into the history row with the run's end (not to be stored again).
+        self.stored = False
         self.grace = grace
         self._targets = targets
         self._rings = (Ring(size), Ring(size))
@@ -293,7 +295,9 @@ class KeptOutput(Listener):
 
     def released(self, status: int) -> None:
         """A failed run's tails into its history row (bounded: STORE_TIMEOUT)."""
-        if self._capture.used and status != 0 and self._history:
+        # Normally the end row's message carried them; only if it could not, a session of
+        # their own (the lock is free by now).
+        if self._capture.used and status != 0 and self._history and not self._capture.stored:
             store(self._target, self._run_id, self._capture, log=self._log)
 
 

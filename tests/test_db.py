@@ -336,7 +336,10 @@ class TestRollbackOnADeadSession:
     """A transaction whose ROLLBACK cannot be sent is a lock-store error, never exit 70."""
 
     def test_lease_acquire(self, dsn, pg_address, key, tmp_path):
-        """The lease is held elsewhere (the attempt rolls back), and the session dies then."""
+        """The lease is held elsewhere (the attempt rolls back), and the session dies then.
+
+        Two keys: one key is taken in one statement (no transaction to roll back).
+        """
         marker = tmp_path / "holder"
         holder = jobrun_cli.start(
             "--mode", "lease", "--key", key, "--", *jobrun_cli.holder_marker(marker), dsn=dsn
@@ -349,7 +352,9 @@ class TestRollbackOnADeadSession:
             cut = psycopg.conninfo.make_conninfo(
                 "", **{**params, "host": "127.0.0.1", "port": str(proxy.port)}
             )
-            result = jobrun_cli.run("--mode", "lease", "--key", key, "--", "true", dsn=cut)
+            result = jobrun_cli.run(
+                "--mode", "lease", "--key", key, "--key", f"{key}-b", "--", "true", dsn=cut
+            )  # fmt: skip
         finally:
             proxy.close()
             jobrun_cli.signal_and_wait(holder, jobrun_cli.SIGTERM)

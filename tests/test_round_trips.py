@@ -28,16 +28,26 @@ if TYPE_CHECKING:
 # then start-up), so a change that adds one fails here.
 # Lower a pin when an optimisation lands; never raise one without saying why in the commit.
 # benchmarks/bench_latency.py turns these counts into wall time at a given round trip.
-SESSION_RUN = Calls(sessions=1, statements=6)
-SESSION_SKIP = Calls(sessions=1, statements=4)
-#: Lease mode keeps one connection for the run (--lease-connection kept): the attempt, the
-#: history, the beats and the release all go over it (it was 2: one closed before the child
-#: started, one opened for the end row and the release).
-LEASE_RUN = Calls(sessions=1, statements=7)
+# A session run: the acquisition (settings, lock, lease lookup: one message), the history's
+# start, its end with the unlock. A skip: the acquisition (with the holder), the skip row.
+SESSION_RUN = Calls(sessions=1, statements=3)
+SESSION_SKIP = Calls(sessions=1, statements=2)
+# A lease run: the lease (one statement), the start; the end row with the lease's delete.
+# Lease mode keeps one connection for the run (--lease-connection kept): the attempt, the
+# history, the beats and the release all go over it (it was 2: one closed before the child
+# started, one opened for the end row and the release).
+LEASE_RUN = Calls(sessions=1, statements=3)
 #: --lease-connection per-renewal: the attempt's connection is closed before the child starts
 #: and the release opens its own (each renewal would open one more).
-LEASE_RUN_PER_RENEWAL = Calls(sessions=2, statements=7)
-LEASE_SKIP = Calls(sessions=1, statements=6)
+LEASE_RUN_PER_RENEWAL = Calls(sessions=2, statements=3)
+LEASE_SKIP = Calls(sessions=1, statements=2)
+# The run's options at a run's count: the token in the acquisition's message, the tails in
+# the end row's, slot 0 taken as the key is; --once-per's second run skips with its row
+# and the unlock in one message.
+FENCE_RUN = Calls(sessions=1, statements=3)
+KEEP_OUTPUT_FAILED = Calls(sessions=1, statements=3)
+ONCE_PER_SECOND = Calls(sessions=1, statements=3)
+SLOTS_RUN = Calls(sessions=1, statements=3)
 
 # The subcommands, each over its one session (a key run once first, so that it is known).
 STATUS = Calls(sessions=1, statements=1)
@@ -116,6 +126,45 @@ class TestSessionMode:
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
         assert calls == SESSION_SKIP, calls.explain()
+
+
+class TestRunOptions:
+    """--fence, --keep-output, --once-per and --slots stay at a run's count."""
+
+    def test_fence(self, logged_server, log, key):
+        """The token rides in the acquisition's message (the sequence made by a first run)."""
+        ran(logged_server, f"{key}-first", "--fence")
+        calls = counted(
+            log, logged_server, *SESSION_BEATS, "--fence", "--key", key, "--", "true", status=0
+        )
+        assert calls == FENCE_RUN, calls.explain()
+
+    def test_keep_output_of_a_failed_run(self, logged_server, log, key):
+        """The tails ride in the end row's message: no session of their own."""
+        calls = counted(
+            log, logged_server, *SESSION_BEATS, "--keep-output", "1KiB", "--key", key,
+            "--", "sh", "-c", "echo kept; exit 1", status=1,
+        )  # fmt: skip
+        assert calls == KEEP_OUTPUT_FAILED, calls.explain()
+        shown = jobrun_cli.run("show", key, dsn=dsn(logged_server))
+        assert "kept" in shown.stdout, shown.stderr
+
+    def test_once_per_second_run(self, logged_server, log, key):
+        """The second run of a window: acquisition, the start that finds the first, the skip."""
+        ran(logged_server, key, "--once-per", "1d")
+        calls = counted(
+            log, logged_server, *SESSION_BEATS, "--once-per", "1d", "--key", key, "--", "true",
+            status=75,
+        )  # fmt: skip
+        assert calls == ONCE_PER_SECOND, calls.explain()
+
+    def test_slots(self, logged_server, log, key):
+        """A free first slot costs what a key does."""
+        calls = counted(
+            log, logged_server, *SESSION_BEATS, "--slots", "3", "--key", key, "--", "true",
+            status=0,
+        )  # fmt: skip
+        assert calls == SLOTS_RUN, calls.explain()
 
 
 class TestLeaseMode:

@@ -389,6 +389,26 @@ class TestEndToEnd:
         assert shown.returncode == 1
         assert "--- stdout: not kept" in shown.stdout
 
+    def test_a_role_that_may_not_add_the_columns_keeps_its_end_row(self, fresh_dsn, role, key):
+        """An older history (no tail columns) used by a role that does not own it: the end
+        row's message is refused with the tails in it, so it goes again without them; the
+        row says failed, and the tails' own session after the release says why not."""
+        ensure = cli.run("--key", f"{key}-owner", "--", "true", dsn=fresh_dsn)
+        assert ensure.returncode == 0, ensure.stderr
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            conn.execute("ALTER TABLE jobrun.runs DROP COLUMN stdout_tail, DROP COLUMN stderr_tail")
+        worker = role(
+            "GRANT USAGE ON SCHEMA jobrun TO {role}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.runs TO {role}",
+            database_dsn=fresh_dsn,
+        )
+        proc = cli.run("--key", key, "--keep-output", "1KiB", "--", "false", dsn=worker)
+        assert proc.returncode == 1, proc.stderr
+        assert "must be owner" in str(cli.event(proc.stderr, "output_not_stored")["error"])
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT outcome FROM jobrun.runs WHERE key = %s", (key,)).fetchone()
+        assert row == ("failed",)
+
     @pytest.mark.parametrize(
         "args",
         [

@@ -91,17 +91,30 @@ class Calls:
         params: Mapping[str, object],
         *,
         without_control: Sequence[str] | None = None,
+        last: bool = False,
+        otherwise: Sequence[str] | None = None,
     ) -> list[Rows] | None:
         """The rows of each statement, or None (warned) when the history is unavailable.
 
         A missing table or column (a fresh database, an older jobrun's table) is created
         and the call sent again, once. ``without_control``: the same call without the
         operators' tables (pauses, expectations), sent when this role is refused them.
+        ``last``: the run's last call, which carries the lock's release where the lock left
+        it one on the run's session (``ServerSession.end_with``): no round trip of its own.
+        ``otherwise``: the call without an extra it carries (a failed run's output tails),
+        sent when the server refused the call (a role that may not add the tails' columns
+        must not lose its end row to them).
         """
         if self.gave_up:
             return None
         try:
-            return self._on_connection(statements, params)
+            try:
+                return self._on_connection(statements, params, last=last)
+            except psycopg.Error as exc:
+                if otherwise is None or isinstance(exc, psycopg.OperationalError):
+                    raise
+                # No line of its own: what was left out says why (output_not_stored).
+                return self._on_connection(otherwise, params, last=last)
         except errors.InsufficientPrivilege as exc:
             rows = self._without_control(during, exc, without_control, params)
             if rows is not None:
@@ -155,7 +168,9 @@ class Calls:
         """The run's session if it can still be used, else None."""
         return self._session.connection() if self._session is not None else None
 
-    def _on_connection(self, statements: Sequence[str], params: Mapping[str, object]) -> list[Rows]:
+    def _on_connection(
+        self, statements: Sequence[str], params: Mapping[str, object], *, last: bool = False
+    ) -> list[Rows]:
         session = self._session
         if session is not None:
             # WARNING: on a silent network (nothing answers, nothing tells the kernel) this
@@ -164,7 +179,22 @@ class Calls:
             with session.use(self._timeout + SILENCE_GRACE) as conn:
                 self._on_lock_session = conn is not None and session.held
                 if conn is not None:
-                    return self._send(conn, statements, params, prefix=session.comment)
+                    ending = session.take_ending() if last else None
+                    try:
+                        rows = self._send(
+                            conn,
+                            statements,
+                            params,
+                            prefix=session.comment,
+                            ending=ending[0] if ending else "",
+                        )
+                    except BaseException:
+                        if ending is not None:  # not released: for a retry, or the lock
+                            session.end_with(*ending)
+                        raise
+                    if ending is not None:
+                        ending[1]()  # the message went through: so did the release
+                    return rows
         # No session open: lease mode holds none while the child runs, or the lock session
         # is gone (and the lock with it). Session mode then opens its one second session:
         # without it a run whose lock was lost would stay "running" in the history, for the
@@ -182,10 +212,17 @@ class Calls:
         params: Mapping[str, object],
         *,
         prefix: str = "",
+        ending: str = "",
     ) -> list[Rows]:
         share_ms = max(1, int(self._timeout * 1000 / len(statements)))
-        # Bound on the client: a percent sign in the prefix (a host name) must be doubled.
+        # Bound on the client: a percent sign in the prefix (a host name) must be doubled,
+        # and so must one in the ending (bound already: a literal may hold one).
         message = prefix.replace("%", "%%") + ";\n".join((sql.RUNS_TIMEOUTS, *statements))
+        if ending:
+            # After the history's statements, so only once they went through: a statement
+            # that fails ends the message before the release (the lock's own release then
+            # does it), and the end row is never missing while the lock is free.
+            message += ";\n" + ending.replace("%", "%%")
         values = {**params, "ms": str(share_ms)}
         try:
             self.round_trips += 1

@@ -209,8 +209,31 @@ class Recorder:
             "failed": outcome in FAILURES,
             "deadlocks_at_start": self._deadlocks_at_start,
         }
-        result = self._calls.run("recording the end", (sql.RUNS_FINISH, sql.RUNS_PRUNE), params)
+        statements = [sql.RUNS_FINISH, sql.RUNS_PRUNE]
+        kept = self.notifier.output
+        if kept is not None and kept.used and exit_code != 0:
+            # --keep-output: a failed run's tails ride in the end row's message.
+            statements.append(sql.RUNS_STORE_TAIL)
+            params.update(stdout=kept.stdout_tail, stderr=kept.stderr_tail)
+        # The run's last call: it carries the lock's release (no round trip of its own).
+        result = self._calls.run(
+            "recording the end",
+            statements,
+            params,
+            last=True,
+            otherwise=statements[:2] if len(statements) > 2 else None,  # noqa: PLR2004
+        )
         row = result[0][0] if result else None
+        if kept is not None and result and any(r and "tails_stored" in r[0] for r in result):
+            # The tails' result came back (a refused call was sent again without them:
+            # they are then stored after the release, on a session of their own, which says
+            # why they could not be).
+            kept.stored = True  # not again after the release
+            self._log.info(
+                "output_stored",
+                stdout_bytes=len(kept.stdout_tail),
+                stderr_bytes=len(kept.stderr_tail),
+            )
         self.notifier.metrics(
             outcome,
             exit_code,
@@ -266,6 +289,7 @@ class Recorder:
             "recording the skip",
             (sql.RUNS_SKIP_SERIALIZE, sql.RUNS_SKIP, sql.RUNS_PRUNE),
             params,
+            last=True,
         )
         row = result[1][0] if result else None
         self.notifier.metrics(

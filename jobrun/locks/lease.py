@@ -226,9 +226,15 @@ class LeaseLock:
             ensure_schema(conn)
             sent = time.monotonic()
             taken = self._insert(conn)
+        if isinstance(taken, Holder):
+            return taken
         if taken:
             self._held = True
             self.confirmed_at = sent
+            # The run's end row carries the release (one message, one transaction: the
+            # lease goes as the row is written); else ``release`` sends it on its own.
+            release = psycopg.ClientCursor(conn).mogrify(sql.LEASE_RELEASE, self._params)
+            self._session.end_with(release, self._released_with_end)
             return None
         if taken is None:
             return self._session_holder(conn)
@@ -245,16 +251,19 @@ class LeaseLock:
             expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
         )
 
-    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | None:
+    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
         """All leases in one statement and one transaction; roll back unless we got all.
 
         True: taken. False: another run's lease is in the way. None: a session-mode run
-        holds one of the keys (WARNING: the two modes must exclude each other too).
+        holds one of the keys (WARNING: the two modes must exclude each other too). A
+        Holder: one key, not taken, its holder found by the same statement.
 
         WARNING: when the ROLLBACK fails (the backend was terminated mid-transaction),
         psycopg lets ``Rollback`` itself escape: the caller's translate_errors turns it
         into LockStoreUnavailable like any other database error.
         """
+        if len(self._keys) == 1:
+            return self._insert_one(conn)
         session_held = False
         with conn.transaction():
             free = conn.execute(sql.LEASE_NO_SESSION_LOCK, self._params).fetchone()
@@ -266,6 +275,32 @@ class LeaseLock:
                 session_held = True
             raise psycopg.Rollback
         return None if session_held else False
+
+    def _insert_one(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder:
+        """One key: the lease, or who holds the key, in ONE statement (sql.LEASE_TAKE_ONE)."""
+        row = conn.execute(sql.LEASE_TAKE_ONE, self._params).fetchone()
+        assert row is not None  # noqa: S101 - one row, always
+        free, taken, *lease = row[:8]
+        if free and taken:
+            return True
+        label = self._keys[0].label
+        if not free:
+            if row[8] is None:  # released in the meantime: a skip all the same, this time
+                return Holder(key=label)
+            from jobrun.locks.holders import session_holder  # noqa: PLC0415 - rare path
+
+            return session_holder(label, row[9:14])
+        if lease[0] is None:  # expired or released since: try again later
+            return Holder(key=label)
+        key, owner, host, pid, acquired_at, expires_at = lease
+        return Holder(
+            key=str(key),
+            host=str(host),
+            pid=int(str(pid)),
+            run_id=str(owner),
+            since=acquired_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
+            expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
+        )
 
     def _session_holder(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder:
         """Who holds one of our keys as a session-mode advisory lock."""
@@ -285,6 +320,8 @@ class LeaseLock:
         it can. A lease that is no longer ours is lost. Only a renewal moves the deadline
         (``confirmation_lifetime``); a failed or unanswered one is retried at the next beat.
         """
+        if not self._held:
+            return  # released with the end row: nothing left to renew
         sent = time.monotonic()
         renew = self._renewal_due(sent)
         what = "renewing the lease" if renew else "checking the lease"
@@ -301,7 +338,7 @@ class LeaseLock:
             raise db.unavailable(exc, self._target, what) from None
         if request is not None and self.stop_request is None:
             self.stop_request = request
-        if count != len(self._keys):
+        if count != len(self._keys) and self._held:
             # _held stays True: the leases still ours (just renewed) must be deleted in
             # release(), which is owner-checked and so never touches the lost ones.
             raise LockLost(
@@ -340,6 +377,7 @@ class LeaseLock:
 
         On the run's session if it is open (the end row's), else on a connection of its own.
         """
+        self._session.end_with(None)  # not sent with the run's end row: now
         if not self._held:
             return
         self._held = False
@@ -352,6 +390,10 @@ class LeaseLock:
                 error=db.one_line(exc, self._target),
                 note="the lease expires on its own after --ttl",
             )
+
+    def _released_with_end(self) -> None:
+        """The run's end row's message deleted our leases (``ServerSession.end_with``)."""
+        self._held = False
 
     def _delete(self, conn: psycopg.Connection[tuple[object, ...]] | None) -> None:
         if conn is not None:

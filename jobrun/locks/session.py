@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -16,11 +14,16 @@ from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import Key, describe
 from jobrun.locks import Holder, Identity
+from jobrun.locks.holders import (
+    announcement,
+    int_or_none,
+    leased_holder,
+    session_holder,
+    str_or_none,
+)
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.session import ServerSession
@@ -31,8 +34,6 @@ CONFIRMATION_LIFETIME = 10.0
 
 #: Longest single blocking wait for a key (lock_timeout's limit is about 24.8 days).
 _WAIT_SLICE = 86400.0
-
-_ANNOUNCEMENT = re.compile(r"/\* jobrun-holder (\{[^*]*\}) \*/")
 
 
 def holder_comment(identity: Identity) -> str:
@@ -69,6 +70,7 @@ class SessionLock:
         *,
         heartbeat: float,
         kill_after: float,
+        fence: bool = False,
     ) -> None:
         # A slow heartbeat stretches the window: it must not stop a healthy job between checks.
         self.confirmation_lifetime = max(CONFIRMATION_LIFETIME, 3 * heartbeat)
@@ -94,51 +96,141 @@ class SessionLock:
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
         #: No slots here (``slots.SlotLock`` has them).
         self.slot: tuple[int, int] | None = None
+        #: ``--fence``: take the token in the acquisition's message (``fence_token``).
+        self.fence = fence
+        self.fence_token: int | None = None
 
     def acquire(self, wait: float) -> Holder | None:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
         conn = self._session.open()
         try:
-            with db.translate_errors(self._target, "preparing the lock session"):
-                immune = (
-                    sql.SESSION_IMMUNE_14
-                    if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
-                    else sql.SESSION_IMMUNE
-                )
+            facts = None
+            if wait <= 0 and len(self._keys) == 1:
+                # The common case in one message: settings, facts, lock, lease, holder.
+                taken = self._take_at_once(conn)
+                if not isinstance(taken, tuple):
+                    return taken
+                facts = taken
+            return self._acquire_probed(conn, wait, facts)
+        except BaseException:
+            # WARNING: the server frees a session's locks with it: whatever a failed
+            # message took (a session lock outlives its transaction) goes here.
+            self._session.close()
+            raise
+
+    def _acquire_probed(
+        self,
+        conn: psycopg.Connection[tuple[object, ...]],
+        wait: float,
+        facts: tuple[bool, int] | None,
+    ) -> Holder | None:
+        """Settings and facts (unless ``facts`` has them), the pooler probe, then the keys."""
+        with db.translate_errors(self._target, "preparing the lock session"):
+            if facts is None:
                 setup = conn.execute(
-                    immune + sql.SESSION_SETUP.format(idle=self._server_keepalive_idle)
+                    self._immune(conn) + sql.SESSION_SETUP.format(idle=self._server_keepalive_idle)
                 )
                 while setup.nextset():  # the SETs come first; the row is the last result
                     pass
                 row = setup.fetchone()
-                standby, backend = (bool(row[3]), int(str(row[4]))) if row else (False, 0)
-                pooler = (
-                    None
-                    if standby
-                    else db.detect_transaction_pooler(
-                        conn, self._target, app_name=self._app_name, backend=backend
-                    )
+                facts = (bool(row[3]), int(str(row[4]))) if row else (False, 0)
+            standby, backend = facts
+            pooler = (
+                None
+                if standby
+                else db.detect_transaction_pooler(
+                    conn, self._target, app_name=self._app_name, backend=backend
                 )
-            if standby:
-                _refuse_standby()
-            if pooler:
-                _refuse_pooler(pooler)
-            with db.translate_errors(self._target, "taking the advisory lock"):
-                blocked = self._take_all(conn, wait)
-                if blocked is None:
-                    leased = self._leased(conn)
-                    if leased is None:
-                        self.confirmed_at = time.monotonic()
-                        return None
-                    self._unlock_taken(conn)
-                    return leased
+            )
+        if standby:
+            _refuse_standby()
+        if pooler:
+            _refuse_pooler(pooler)
+        with db.translate_errors(self._target, "taking the advisory lock"):
+            blocked = self._take_all(conn, wait)
+            if blocked is None:
+                leased = self._leased(conn)
+                if leased is None:
+                    self._taken()
+                    return None
                 self._unlock_taken(conn)
-                # The session stays open for the skip's history row (one session per skip);
-                # the run closes it right after.
-                return self._holder_of(conn, blocked)
-        except BaseException:
-            self._session.close()
-            raise
+                return leased
+            self._unlock_taken(conn)
+            # The session stays open for the skip's history row (one session per skip);
+            # the run closes it right after.
+            return self._holder_of(conn, blocked)
+
+    def _take_at_once(
+        self, conn: psycopg.Connection[tuple[object, ...]]
+    ) -> Holder | tuple[bool, int] | None:
+        """One key, no wait, ONE message (sql.SESSION_TAKE_AT_ONCE): the outcome, or facts.
+
+        (standby, backend pid) when the lock was not tried: the backend is not the one the
+        handshake announced (a pooler, maybe), so the full probe decides.
+        """
+        key = self._keys[0]
+        classid, objid = key.pg_locks_pair
+        params = {
+            "idle": str(self._server_keepalive_idle),
+            "handshake": conn.info.backend_pid,
+            "lock_id": key.lock_id,
+            "fence": self.fence,
+            "classid": classid,
+            "objid": objid,
+        }
+        message = (self._comment + self._immune(conn)).replace("%", "%%")
+        with db.translate_errors(self._target, "taking the advisory lock"):
+            cursor = psycopg.ClientCursor(conn)
+            cursor.execute(message + sql.SESSION_TAKE_AT_ONCE, params)
+            rows: list[tuple[object, ...] | None] = []
+            while True:
+                if cursor.description is not None:
+                    rows.append(cursor.fetchone())
+                if not cursor.nextset():
+                    break
+        take, found = rows
+        assert take is not None  # noqa: S101 - one row each, always
+        assert found is not None  # noqa: S101
+        standby, backend, locked = bool(take[3]), int(str(take[4])), take[5]
+        if standby:
+            _refuse_standby()
+        if locked is None:
+            return standby, backend
+        if not locked:
+            return (
+                session_holder(key.label, found[1:6])
+                if found[1] is not None
+                else Holder(key=key.label)
+            )
+        self._held.append(key)
+        leased = leased_holder(found[0], self._log, self._target)
+        if leased is not None:
+            self._unlock_taken(conn)
+            return leased
+        token = found[6]
+        self.fence_token = int(str(token)) if token is not None else None
+        self._taken()
+        return None
+
+    def _immune(self, conn: psycopg.Connection[tuple[object, ...]]) -> str:
+        """The settings that keep the session alive: PostgreSQL 14 knows more of them."""
+        return (
+            sql.SESSION_IMMUNE_14
+            if conn.info.server_version >= 140000  # noqa: PLR2004 - PostgreSQL 14
+            else sql.SESSION_IMMUNE
+        )
+
+    def _taken(self) -> None:
+        """Every key is ours: confirmed now; the run's last history message may release it.
+
+        The unlock goes after a COMMIT of that message's statements: a session lock is no
+        part of a transaction, and the next run must find our end row, not our running one.
+        """
+        self.confirmed_at = time.monotonic()
+        unlocks = ";\n".join(
+            f"SELECT pg_advisory_unlock({int(key.lock_id)})" for key in reversed(self._held)
+        )
+        self._session.end_with("COMMIT;\n" + unlocks, self._held.clear)
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
         deadline = time.monotonic() + wait
@@ -201,9 +293,9 @@ class SessionLock:
         label, owner, host, pid, acquired_at, expires_at = row
         return Holder(
             key=str(label),
-            host=_str_or_none(host),
-            pid=_int_or_none(pid),
-            run_id=_str_or_none(owner),
+            host=str_or_none(host),
+            pid=int_or_none(pid),
+            run_id=str_or_none(owner),
             since=acquired_at.isoformat(timespec="seconds") if acquired_at else None,  # type: ignore[attr-defined]
             expires_at=expires_at.isoformat(timespec="seconds") if expires_at else None,  # type: ignore[attr-defined]
         )
@@ -263,6 +355,7 @@ class SessionLock:
         The session stays open (the run closes it): a ``--slots`` run tries the next slot
         on it.
         """
+        self._session.end_with(None)  # not sent with the history's last message: now
         conn = self._session.connection()
         if conn is not None:
             for key in reversed(self._held):
@@ -281,42 +374,6 @@ class SessionLock:
         for key in reversed(self._held):
             conn.execute(sql.UNLOCK, (key.lock_id,))
         self._held.clear()
-
-
-def announcement(query: object) -> dict[str, object]:
-    """What a lock session's ``/* jobrun-holder {...} */`` comment says ({} if nothing usable).
-
-    WARNING: any session can write such a comment: take nothing in it on trust (the values
-    are checked by whoever reads them).
-    """
-    match = _ANNOUNCEMENT.search(str(query or ""))
-    if match:
-        with contextlib.suppress(ValueError, RecursionError):
-            announced = json.loads(match.group(1))
-            if isinstance(announced, dict):
-                return announced
-    return {}
-
-
-def session_holder(label: str, row: Sequence[object]) -> Holder:
-    """The session holding an advisory lock, from its pg_locks / pg_stat_activity ``row``.
-
-    ``row``: backend pid, client address, application_name, backend_start, query; the
-    holder's comment in the query (if any) names its host, pid, run id and start.
-    """
-    backend_pid, client_addr, app_name, backend_start, query = row
-    announced = announcement(query)
-    started = backend_start.isoformat(timespec="seconds") if backend_start else None  # type: ignore[attr-defined]
-    return Holder(
-        key=label,
-        host=_str_or_none(announced.get("host")),
-        pid=_int_or_none(announced.get("pid")),
-        run_id=_str_or_none(announced.get("run_id")),
-        since=_str_or_none(announced.get("since")) or started,
-        backend_pid=_int_or_none(backend_pid),
-        client_addr=_str_or_none(client_addr),
-        application_name=_str_or_none(app_name),
-    )
 
 
 def _refuse_pooler(why: str) -> None:
@@ -339,14 +396,9 @@ def _refuse_standby() -> None:
     )
 
 
-def _str_or_none(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _count(row: tuple[object, ...] | None) -> int:
     """The count a one-row ``SELECT count(*)`` returned."""
     return int(str(row[0])) if row else 0
+
+
+__all__ = ["SessionLock", "announcement", "holder_comment", "session_holder"]

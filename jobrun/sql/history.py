@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS jobrun.runs (
     deadlocks    bigint
 );
 ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
-                        ADD COLUMN IF NOT EXISTS deadlocks bigint;
+                        ADD COLUMN IF NOT EXISTS deadlocks bigint,
+                        ADD COLUMN IF NOT EXISTS stdout_tail bytea,
+                        ADD COLUMN IF NOT EXISTS stderr_tail bytea;
 CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
 CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
     WHERE outcome = 'running'
@@ -295,6 +297,9 @@ CREATE SEQUENCE IF NOT EXISTS jobrun.fence AS bigint MINVALUE 1 NO CYCLE CACHE 1
 FENCE_NEXT = "SELECT nextval('jobrun.fence')"
 
 #: The output tails of a run, in its history row (nullable: only runs that kept output).
+#: RUNS_SCHEMA adds them too: a history made by this version has them from the start, and
+#: an older one gets them when a run's end first names them (the missing column is then
+#: created with the rest of the schema, and the message sent again).
 RUNS_TAIL_COLUMNS = """
 ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stdout_tail bytea;
 ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
@@ -303,6 +308,7 @@ ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS stderr_tail bytea;
 RUNS_STORE_TAIL = """
 UPDATE jobrun.runs SET stdout_tail = %(stdout)s, stderr_tail = %(stderr)s
 WHERE run_id = %(run_id)s
+RETURNING true AS tails_stored
 """
 
 RUNS_TAIL = """

@@ -87,3 +87,47 @@ WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND owner = %(owner)s::uuid
 
 #: Release only what is still ours: a stale run can never release a newer run's lease.
 LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND owner = %(owner)s"
+
+#: One key's lease in ONE statement (autocommit: its own transaction), and who is in the
+#: way when we did not get it: the transaction lock on the id that keeps session-mode runs
+#: out (LEASE_NO_SESSION_LOCK, held until the statement commits), the lease written only
+#: where that lock was free (LEASE_ACQUIRE), the lease-mode holder (a lease committed
+#: before this statement began) and the session-mode holder (pg_locks, live). Several keys
+#: take the transaction of LEASE_NO_SESSION_LOCK and LEASE_ACQUIRE: all or none of them.
+LEASE_TAKE_ONE = """
+WITH free AS (
+    SELECT bool_and(pg_try_advisory_xact_lock(id)) AS ok FROM unnest(%(lock_ids)s::int8[]) AS id
+), taken AS (
+    INSERT INTO jobrun.leases AS l
+        (lock_id, key, owner, host, pid, acquired_at, renewed_at, expires_at)
+    SELECT k.lock_id, k.key, %(owner)s, %(host)s, %(pid)s,
+           clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s)
+    FROM unnest(%(lock_ids)s::int8[], %(keys)s::text[]) AS k (lock_id, key)
+    WHERE (SELECT ok FROM free)
+    ON CONFLICT (lock_id) DO UPDATE
+        SET key = excluded.key, owner = excluded.owner, host = excluded.host, pid = excluded.pid,
+            acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
+            expires_at = excluded.expires_at
+        WHERE l.expires_at <= clock_timestamp()
+    RETURNING l.lock_id
+)
+SELECT f.ok, (SELECT count(*) FROM taken) AS taken,
+       h.key, h.owner, h.host, h.pid, h.acquired_at, h.expires_at,
+       s.lock_id, s.pid, s.client_addr, s.application_name, s.backend_start, s.query
+FROM free AS f
+LEFT JOIN LATERAL (
+    SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
+    WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND owner <> %(owner)s
+      AND expires_at > clock_timestamp()
+    ORDER BY lock_id LIMIT 1
+) AS h ON f.ok
+LEFT JOIN LATERAL (
+    SELECT (l.classid::int8 << 32) | l.objid::int8 AS lock_id, l.pid,
+           host(a.client_addr) AS client_addr, a.application_name, a.backend_start, a.query
+    FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND ((l.classid::int8 << 32) | l.objid::int8) = ANY(%(lock_ids)s::int8[])
+    LIMIT 1
+) AS s ON NOT f.ok
+"""

@@ -81,3 +81,61 @@ PIN_SETTINGS = (
     'SET search_path = "$user", public; '
     "SET extra_float_digits = 1"
 )
+
+#: One key, no --wait: the lock session's settings, facts and lock in ONE message (after
+#: SESSION_IMMUNE*, bound on the client). The lock is tried only where it cannot be
+#: stranded or worthless: on the very backend the handshake announced (a pooler announces
+#: a pid of its own: NULL, then the full probe) and on a primary (a standby's locks are its
+#: own). Then, in statements of their own (a snapshot taken after the lock was granted: a
+#: lease written before that is seen), the lease-mode run of a key we took (DO: the table
+#: may not exist, or be out of reach (to_regclass itself fails without USAGE on the
+#: schema); the answer in a setting local to the message), the
+#: session holding the key when we did not get it, and with --fence a token (only while
+#: we hold the key, and only where the sequence exists, is one, and may be used (read from
+#: the catalog: no name lookup that a missing privilege turns into an error): else NULL,
+#: and the token is taken the other way, which creates the sequence or says what is wrong).
+#: No statement here may fail where lease or fence were never used: a failed message
+#: undoes the settings, while a session lock it took outlives it (the session is closed).
+SESSION_TAKE_AT_ONCE = """
+SELECT set_config('tcp_keepalives_idle', %(idle)s, false),
+       set_config('tcp_keepalives_interval', '2', false),
+       set_config('tcp_keepalives_count', '3', false),
+       pg_is_in_recovery(),
+       pg_backend_pid(),
+       CASE WHEN pg_backend_pid() = %(handshake)s AND NOT pg_is_in_recovery()
+            THEN pg_try_advisory_lock(%(lock_id)s) END;
+DO $jobrun$
+BEGIN
+  IF to_regclass('jobrun.leases') IS NOT NULL THEN
+    PERFORM set_config('jobrun.leased', coalesce((
+      SELECT row_to_json(l)::text FROM (
+        SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
+        WHERE expires_at > clock_timestamp() AND lock_id IN (
+          SELECT (classid::int8 << 32) | objid::int8 FROM pg_locks
+          WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND granted AND objsubid = 1)
+        ORDER BY lock_id LIMIT 1) AS l), ''), true);
+  END IF;
+EXCEPTION WHEN insufficient_privilege THEN  -- the schema or the table
+  PERFORM set_config('jobrun.leased', 'unreadable', true);
+END
+$jobrun$;
+SELECT nullif(current_setting('jobrun.leased', true), '') AS leased,
+       h.pid, h.client_addr, h.application_name, h.backend_start, h.query,
+       CASE WHEN %(fence)s AND h.ours THEN (
+           SELECT CASE WHEN has_schema_privilege(n.oid, 'USAGE')
+                            AND has_sequence_privilege(c.oid, 'USAGE, UPDATE')
+                       THEN nextval(c.oid::regclass) END
+           FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+           WHERE n.nspname = 'jobrun' AND c.relname = 'fence' AND c.relkind = 'S'
+       ) END AS fence
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    SELECT l.pid = pg_backend_pid() AS ours, l.pid, host(a.client_addr) AS client_addr,
+           a.application_name, a.backend_start, a.query
+    FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = %(classid)s::int8::oid AND l.objid = %(objid)s::int8::oid
+    LIMIT 1
+) AS h ON true
+"""
