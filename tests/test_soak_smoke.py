@@ -71,11 +71,12 @@ class TestFoundByTheSoak:
 
         psycopg lets its ``Rollback`` through when the ROLLBACK itself fails (it is not a
         ``psycopg.Error``): the database boundary must turn it into a lock-store error.
+        Two keys: one key's lease is one statement, with no transaction to roll back.
         """
         target = db.Target(dsn=dsn)
         holder, latecomer = (
             LeaseLock(
-                (keys.from_name(key),),
+                (keys.from_name(key), keys.from_name(f"{key}-b")),
                 ServerSession(target, app_name="jobrun:test", held=False, lends=False),
                 Identity(run_id=new_run_id(), pid=pid),
                 structlog.get_logger(),
