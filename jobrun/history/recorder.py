@@ -18,6 +18,7 @@ from jobrun.keys import Key, describe
 if TYPE_CHECKING:
     import datetime as dt
     from collections.abc import Mapping
+    from typing import Any
 
     from structlog.typing import FilteringBoundLogger
 
@@ -252,9 +253,7 @@ class Recorder:
             )
         if row["alert"]:
             fields: dict[str, object] = {
-                "count": row["streak"],
-                "since": iso(row["streak_since"]),
-                "threshold": self._config.alert_after,
+                **self._streak(row),
                 "outcome": outcome,
                 "exit_code": exit_code,
                 "signal": signal,
@@ -298,9 +297,7 @@ class Recorder:
         self._log_calls()
         if row is not None and row["alert"]:
             fields: dict[str, object] = {
-                "count": row["streak"],
-                "since": iso(row["streak_since"]),
-                "threshold": self._config.alert_after,
+                **self._streak(row),
                 "reason": reason,
                 "exit_code": exit_code,
                 **holder_fields,
@@ -333,6 +330,14 @@ class Recorder:
             "duration": None if lasted is None else round(lasted, 3),
         }
         self.notifier.alert("recovered", fields, defer=defer)
+
+    def _streak(self, row: Mapping[str, Any]) -> dict[str, object]:
+        """A streak alert's common fields: how long the streak is, since when, the threshold."""
+        return {
+            "count": row["streak"],
+            "since": iso(row["streak_since"]),
+            "threshold": self._config.alert_after,
+        }
 
     def _log_calls(self) -> None:
         self._log.debug(

@@ -24,14 +24,14 @@ CREATE TABLE IF NOT EXISTS jobrun.leases (
 """
 
 
-#: Take every lease that is free or expired, in one statement (rows in lock-id order).
-LEASE_ACQUIRE = """
+#: Write our lease on every key whose lease is free or expired ({rows}: which rows to try).
+_WRITE_LEASES = """
 INSERT INTO jobrun.leases AS l
     (lock_id, key, owner, host, pid, acquired_at, renewed_at, expires_at)
 SELECT k.lock_id, k.key, %(owner)s, %(host)s, %(pid)s,
        clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s)
 FROM unnest(%(lock_ids)s::int8[], %(keys)s::text[]) AS k (lock_id, key)
-ORDER BY k.lock_id
+{rows}
 ON CONFLICT (lock_id) DO UPDATE
     SET key = excluded.key, owner = excluded.owner, host = excluded.host, pid = excluded.pid,
         acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
@@ -39,6 +39,9 @@ ON CONFLICT (lock_id) DO UPDATE
     WHERE l.expires_at <= clock_timestamp()
 RETURNING l.lock_id
 """
+
+#: Take every lease that is free or expired, in one statement (rows in lock-id order).
+LEASE_ACQUIRE = _WRITE_LEASES.format(rows="ORDER BY k.lock_id")
 
 #: Lease mode must also respect a session-mode run of the same key (a fleet moving from one
 #: mode to the other): a transaction-scoped advisory lock on every id, which fails while a
@@ -94,23 +97,14 @@ LEASE_RELEASE = "DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s) AND
 #: where that lock was free (LEASE_ACQUIRE), the lease-mode holder (a lease committed
 #: before this statement began) and the session-mode holder (pg_locks, live). Several keys
 #: take the transaction of LEASE_NO_SESSION_LOCK and LEASE_ACQUIRE: all or none of them.
-LEASE_TAKE_ONE = """
+LEASE_TAKE_ONE = "".join(
+    (
+        """
 WITH free AS (
     SELECT bool_and(pg_try_advisory_xact_lock(id)) AS ok FROM unnest(%(lock_ids)s::int8[]) AS id
-), taken AS (
-    INSERT INTO jobrun.leases AS l
-        (lock_id, key, owner, host, pid, acquired_at, renewed_at, expires_at)
-    SELECT k.lock_id, k.key, %(owner)s, %(host)s, %(pid)s,
-           clock_timestamp(), clock_timestamp(), clock_timestamp() + make_interval(secs => %(ttl)s)
-    FROM unnest(%(lock_ids)s::int8[], %(keys)s::text[]) AS k (lock_id, key)
-    WHERE (SELECT ok FROM free)
-    ON CONFLICT (lock_id) DO UPDATE
-        SET key = excluded.key, owner = excluded.owner, host = excluded.host, pid = excluded.pid,
-            acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
-            expires_at = excluded.expires_at
-        WHERE l.expires_at <= clock_timestamp()
-    RETURNING l.lock_id
-)
+), taken AS (""",
+        _WRITE_LEASES.format(rows="WHERE (SELECT ok FROM free)"),
+        """)
 SELECT f.ok, (SELECT count(*) FROM taken) AS taken,
        h.key, h.owner, h.host, h.pid, h.acquired_at, h.expires_at,
        s.lock_id, s.pid, s.client_addr, s.application_name, s.backend_start, s.query
@@ -130,4 +124,6 @@ LEFT JOIN LATERAL (
       AND ((l.classid::int8 << 32) | l.objid::int8) = ANY(%(lock_ids)s::int8[])
     LIMIT 1
 ) AS s ON NOT f.ok
-"""
+""",
+    )
+)

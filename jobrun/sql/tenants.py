@@ -83,76 +83,58 @@ END
 $$;
 """
 
-#: Row-level security on every jobrun table (ENABLE, not FORCE: the owner is trusted), one
-#: policy per command, and the triggers that stamp who asked. Idempotent.
-POLICIES = """
-ALTER TABLE jobrun.runs ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS tenant_select ON jobrun.runs;
-DROP POLICY IF EXISTS tenant_insert ON jobrun.runs;
-DROP POLICY IF EXISTS tenant_update ON jobrun.runs;
-DROP POLICY IF EXISTS tenant_delete ON jobrun.runs;
-CREATE POLICY tenant_select ON jobrun.runs FOR SELECT USING (jobrun.allowed(key, 'read'));
-CREATE POLICY tenant_insert ON jobrun.runs FOR INSERT
-    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, lock_ids));
-CREATE POLICY tenant_update ON jobrun.runs FOR UPDATE USING (jobrun.allowed(key, 'run'))
-    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, lock_ids));
-CREATE POLICY tenant_delete ON jobrun.runs FOR DELETE USING (jobrun.allowed(key, 'run'));
 
-ALTER TABLE jobrun.leases ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS tenant_select ON jobrun.leases;
-DROP POLICY IF EXISTS tenant_insert ON jobrun.leases;
-DROP POLICY IF EXISTS tenant_update ON jobrun.leases;
-DROP POLICY IF EXISTS tenant_delete ON jobrun.leases;
-CREATE POLICY tenant_select ON jobrun.leases FOR SELECT USING (jobrun.allowed(key, 'read'));
-CREATE POLICY tenant_insert ON jobrun.leases FOR INSERT
-    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, ARRAY[lock_id]));
-CREATE POLICY tenant_update ON jobrun.leases FOR UPDATE USING (jobrun.allowed(key, 'run'))
-    WITH CHECK (jobrun.allowed(key, 'run') AND jobrun.ids_fit(key, ARRAY[lock_id]));
-CREATE POLICY tenant_delete ON jobrun.leases FOR DELETE USING (jobrun.allowed(key, 'control'));
+def _policies(
+    table: str, *, write: str, delete: str, fit: str = "", update: bool = True, stamp: bool = False
+) -> str:
+    """Row-level security on ``jobrun.{table}``: one policy per command, idempotent.
 
-ALTER TABLE jobrun.stop_requests ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS tenant_select ON jobrun.stop_requests;
-DROP POLICY IF EXISTS tenant_insert ON jobrun.stop_requests;
-DROP POLICY IF EXISTS tenant_delete ON jobrun.stop_requests;
-CREATE POLICY tenant_select ON jobrun.stop_requests FOR SELECT
-    USING (jobrun.allowed(key, 'read'));
-CREATE POLICY tenant_insert ON jobrun.stop_requests FOR INSERT
-    WITH CHECK (jobrun.allowed(key, 'control'));
-CREATE POLICY tenant_delete ON jobrun.stop_requests FOR DELETE
-    USING (jobrun.allowed(key, 'control'));
-DROP TRIGGER IF EXISTS stamp_requester ON jobrun.stop_requests;
-CREATE TRIGGER stamp_requester BEFORE INSERT OR UPDATE ON jobrun.stop_requests
-    FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester();
+    Reading takes the ``read`` right; inserting (and updating, where rows are updated) the
+    ``write`` right, and with ``fit`` also lock ids that belong to the row's key (a tenant
+    cannot write a row of its own key that names another key's lock); deleting the
+    ``delete`` right. ``stamp``: a trigger writes who asked (``session_user``) into the row.
+    """
+    allowed = "jobrun.allowed(key, '{right}')"
+    check = allowed.format(right=write) + (f" AND jobrun.ids_fit(key, {fit})" if fit else "")
+    on = f"ON jobrun.{table}"
+    lines = [f"ALTER TABLE jobrun.{table} ENABLE ROW LEVEL SECURITY;"]
+    lines += [
+        f"DROP POLICY IF EXISTS tenant_{c} {on};" for c in ("select", "insert", "update", "delete")
+    ]
+    lines += [
+        f"CREATE POLICY tenant_select {on} FOR SELECT USING ({allowed.format(right='read')});",
+        f"CREATE POLICY tenant_insert {on} FOR INSERT WITH CHECK ({check});",
+    ]
+    if update:
+        lines.append(
+            f"CREATE POLICY tenant_update {on} FOR UPDATE USING ({allowed.format(right=write)})"
+            f" WITH CHECK ({check});"
+        )
+    lines.append(
+        f"CREATE POLICY tenant_delete {on} FOR DELETE USING ({allowed.format(right=delete)});"
+    )
+    if stamp:
+        trigger = "stamp_requester BEFORE INSERT OR UPDATE"
+        stamp_it = "FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester()"
+        lines += [
+            f"DROP TRIGGER IF EXISTS stamp_requester {on};",
+            f"CREATE TRIGGER {trigger} {on} {stamp_it};",
+        ]
+    return "\n".join(lines)
 
-ALTER TABLE jobrun.pauses ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS tenant_select ON jobrun.pauses;
-DROP POLICY IF EXISTS tenant_insert ON jobrun.pauses;
-DROP POLICY IF EXISTS tenant_update ON jobrun.pauses;
-DROP POLICY IF EXISTS tenant_delete ON jobrun.pauses;
-CREATE POLICY tenant_select ON jobrun.pauses FOR SELECT USING (jobrun.allowed(key, 'read'));
-CREATE POLICY tenant_insert ON jobrun.pauses FOR INSERT
-    WITH CHECK (jobrun.allowed(key, 'control'));
-CREATE POLICY tenant_update ON jobrun.pauses FOR UPDATE USING (jobrun.allowed(key, 'control'))
-    WITH CHECK (jobrun.allowed(key, 'control'));
-CREATE POLICY tenant_delete ON jobrun.pauses FOR DELETE USING (jobrun.allowed(key, 'control'));
-DROP TRIGGER IF EXISTS stamp_requester ON jobrun.pauses;
-CREATE TRIGGER stamp_requester BEFORE INSERT OR UPDATE ON jobrun.pauses
-    FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester();
 
-ALTER TABLE jobrun.expectations ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS tenant_select ON jobrun.expectations;
-DROP POLICY IF EXISTS tenant_insert ON jobrun.expectations;
-DROP POLICY IF EXISTS tenant_update ON jobrun.expectations;
-DROP POLICY IF EXISTS tenant_delete ON jobrun.expectations;
-CREATE POLICY tenant_select ON jobrun.expectations FOR SELECT
-    USING (jobrun.allowed(key, 'read'));
-CREATE POLICY tenant_insert ON jobrun.expectations FOR INSERT
-    WITH CHECK (jobrun.allowed(key, 'run'));
-CREATE POLICY tenant_update ON jobrun.expectations FOR UPDATE
-    USING (jobrun.allowed(key, 'run')) WITH CHECK (jobrun.allowed(key, 'run'));
-CREATE POLICY tenant_delete ON jobrun.expectations FOR DELETE
-    USING (jobrun.allowed(key, 'control'));
-"""
+#: Row-level security on every jobrun table (ENABLE, not FORCE: the owner is trusted), and
+#: the triggers that stamp who asked. Who may do what, table by table: a run writes its own
+#: rows and leases; an operator's requests, pauses and deletions take the ``control`` right.
+POLICIES = "\n\n".join(
+    (
+        _policies("runs", write="run", fit="lock_ids", delete="run"),
+        _policies("leases", write="run", fit="ARRAY[lock_id]", delete="control"),
+        _policies("stop_requests", write="control", update=False, delete="control", stamp=True),
+        _policies("pauses", write="control", delete="control", stamp=True),
+        _policies("expectations", write="run", delete="control"),
+    )
+)
 
 #: ``run_label(run_id)``: the label of any run, whoever may see its row. SECURITY DEFINER
 #: (the owner's view), and it tells nothing but the label of a run id already known: what
