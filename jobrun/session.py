@@ -171,8 +171,15 @@ class ServerSession:
             ready, _, _ = select.select(
                 [stop_fd, conn.fileno()], [], [], max(0.0, deadline - time.monotonic())
             )
-            if not ready or stop_fd in ready or not self.busy():
+            if not ready or stop_fd in ready:
                 return
+            if not self.busy():
+                # No use in progress: the server talks (FATAL), unless a use that has just
+                # ended read its own answer between our wake-up and now (then nothing is left
+                # to read, and waking the heartbeat would be a spurious check).
+                if self.connection() is not conn or _readable(conn):
+                    return
+                continue
             if self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 self._turn.release()
             if time.monotonic() >= deadline:
@@ -234,3 +241,12 @@ class ServerSession:
                     continue
                 self._deadlines.clear()  # each use past its bound fails with the cut
             self.cut()
+
+
+def _readable(conn: Connection) -> bool:
+    """Whether ``conn``'s socket has something to read right now (or is gone: then True)."""
+    try:
+        ready, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (psycopg.Error, OSError, ValueError):
+        return True
+    return bool(ready)

@@ -64,8 +64,7 @@ DBNAME = "round_trips"
 
 # A heartbeat (session mode: a check; lease mode: a renewal over a session of its own) is a
 # cost per second of a run, not per run: these keep it out of the count, even on a machine
-# so loaded that running `true` takes longer than the default heartbeat. (Session mode's
-# heartbeat thread may still wake on a history call's answer and check once: StatementLog
+# so loaded that running `true` takes longer than the default heartbeat. (StatementLog
 # counts checks apart, and they are not pinned.)
 SESSION_BEATS = ("--heartbeat", "1h")
 LEASE_BEATS = ("--mode", "lease", "--ttl", "1h", "--heartbeat", "10m")
