@@ -37,7 +37,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from jobrun import db, keys
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
-from jobrun.locks import Identity, new_run_id
+from jobrun.locks import Holder, Identity, new_run_id
 from jobrun.locks.lease import LeaseLock, beat
 from jobrun.session import ServerSession
 from jobrun.testing.pgbouncer import PgBouncer
@@ -152,7 +152,7 @@ def holders(
             (key,), session, Identity(run_id=new_run_id(), pid=os.getpid()), log,
             ttl=TTL, lifetime=LIFETIME, heartbeat=interval, renew_every=args.heartbeat,
         )  # fmt: skip
-        if lock.acquire(0) is not None:
+        if isinstance(lock.acquire(0), Holder):
             raise SystemExit(f"lease {i} was held by someone else")
         locks.append(lock)
         sessions.append(session)

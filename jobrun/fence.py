@@ -72,6 +72,8 @@ def issue(
     not start).
     """
     token = take(target, app_name=app_name, session=session)
+    # A stop request this check may read is the watchdog's to act on: a request's row is
+    # not consumed by a read (a repeat keeps the first), so the watchdog's next check reads it.
     lock.check()
     log.info("fence_taken", fence=token)
     return token

@@ -23,6 +23,7 @@ from jobrun.exitcodes import (
 )
 from jobrun.keys import Key, describe
 from jobrun.listeners import HistoryListener, Listeners
+from jobrun.locks import Holder
 from jobrun.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.listeners import Listener, Recorder
-    from jobrun.locks import Identity, Lock
+    from jobrun.locks import Identity, Lock, Taken
     from jobrun.session import ServerSession
     from jobrun.waiting import WaitReporter
 
@@ -149,7 +150,7 @@ class _GuardedRun:
         job = self.job
         try:
             with self.waiting.around(job.wait) if self.waiting else contextlib.nullcontext():
-                holder = self.lock.acquire(job.wait)
+                got = self.lock.acquire(job.wait)
         except LockStoreUnavailable as exc:
             # A TLS failure is no outage: the child never runs without its lock then.
             unguarded = job.on_db_error == "run" and not exc.fails_closed
@@ -160,14 +161,14 @@ class _GuardedRun:
             with supervise.signals_held() as child_mask:
                 self.status = self._run_child(child_mask, None, self.listeners.unguarded())
             return self.status
-        if holder is not None:
+        if isinstance(got, Holder):  # held by someone else: skip
             try:
-                return self._skip("locked", holder.fields())
+                return self._skip("locked", got.fields())
             finally:
                 # The skip's row went over the lock session; a herd of skips must not keep
                 # their sessions a moment longer (nothing is held: this only closes it).
                 self._release()
-        slot = self.lock.slot
+        slot = got.slot
         if slot is not None:
             # The history knows the run by its slot's lock id: a run in another slot of the
             # key is alive, not abandoned.
@@ -177,7 +178,7 @@ class _GuardedRun:
             # From here on, signals wait for the supervisor (or are dropped during the release).
             with supervise.signals_held() as child_mask:
                 try:
-                    self.status = self._run_held(child_mask)
+                    self.status = self._run_held(child_mask, got)
                 finally:
                     self._release()
         except BaseException:
@@ -194,7 +195,7 @@ class _GuardedRun:
         finally:
             self.session.close()
 
-    def _run_held(self, child_mask: frozenset[int]) -> int:
+    def _run_held(self, child_mask: frozenset[int], taken: Taken) -> int:
         """With the lock taken: consult the history, then run the child, watched throughout."""
         # WARNING: the lock is watched from the moment it is taken, not only once the child
         # runs: the history may take seconds, and a lock lost meanwhile must keep the child
@@ -203,7 +204,7 @@ class _GuardedRun:
             self.lock,
             self.session,
             interval=self.job.heartbeat,
-            confirmed_at=self.lock.confirmed_at,
+            confirmed_at=taken.confirmed_at,
             wake=supervise.wake_main_thread(),
             log=self.log,
         )
@@ -215,7 +216,7 @@ class _GuardedRun:
             # Lease mode: the attempt's connection carried the history's start (and a skip
             # row): nothing is held while the child runs.
             self.session.rest()
-            return self._run_child(child_mask, watchdog, self.listeners)
+            return self._run_child(child_mask, watchdog, self.listeners, slot=taken.slot)
         finally:
             watchdog.stop()
 
@@ -246,11 +247,18 @@ class _GuardedRun:
         return self.job.skip_exit_code
 
     def _run_child(
-        self, child_mask: frozenset[int], watchdog: Watchdog | None, listeners: Listeners
+        self,
+        child_mask: frozenset[int],
+        watchdog: Watchdog | None,
+        listeners: Listeners,
+        *,
+        slot: tuple[int, int] | None = None,
     ) -> int:
-        """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded)."""
+        """Spawn and supervise the child under ``watchdog``'s lock (None: unguarded).
+
+        ``slot``: the ``--slots`` slot taken (``Taken.slot``; None without one or a lock).
+        """
         job, log, guarded = self.job, self.log, watchdog is not None
-        slot = self.lock.slot
         env = child_environment(
             self.environ, job, self.identity.run_id, slot=None if slot is None else slot[0]
         )

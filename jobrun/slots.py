@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from jobrun.keys import Key, lock_id_for
+from jobrun.locks import Taken
 
 if TYPE_CHECKING:
     from jobrun.locks import Holder, Lock
@@ -36,15 +38,13 @@ class SlotLock:
     """A ``Lock`` over the first free of several locks, each tried in slot order.
 
     Each slot is a lock of the run's mode on the run's one session; once one is taken,
-    every call goes to it.
+    every call goes to it, and ``acquire`` says which (``Taken.slot``).
     """
 
     def __init__(self, locks: list[Lock], lock_ids: list[int]) -> None:
         self._locks = locks
         self._lock_ids = lock_ids
         self._taken: Lock | None = None
-        #: The slot taken (0-based) and its lock id, once ``acquire`` succeeded.
-        self._slot: tuple[int, int] | None = None
 
     @property
     def _lock(self) -> Lock:
@@ -55,40 +55,26 @@ class SlotLock:
         """The taken slot's (before: the first slot's)."""
         return self._lock.confirmation_lifetime
 
-    @property
-    def confirmed_at(self) -> float:
-        """When the taken slot's acquisition was confirmed."""
-        return self._lock.confirmed_at
-
-    @property
-    def stop_request(self) -> dict[str, object] | None:
-        """A ``jobrun stop`` request the taken slot's heartbeat read."""
-        return self._lock.stop_request
-
-    @property
-    def slot(self) -> tuple[int, int] | None:
-        """The slot taken and its lock id (None before ``acquire`` succeeded)."""
-        return self._slot
-
-    def acquire(self, wait: float) -> Holder | None:
+    def acquire(self, wait: float) -> Taken | Holder:
         """Take the first free slot, trying all of them until ``wait`` runs out."""
         deadline = time.monotonic() + wait
         while True:
             holder = None
             for slot, lock in enumerate(self._locks):
                 found = lock.acquire(0.0)
-                if found is None:
-                    self._taken, self._slot = lock, (slot, self._lock_ids[slot])
-                    return None
+                if isinstance(found, Taken):
+                    self._taken = lock
+                    return replace(found, slot=(slot, self._lock_ids[slot]))
                 holder = holder or found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                assert holder is not None  # noqa: S101 - one slot at least, each held
                 return holder
             time.sleep(min(_WAIT_POLL, remaining))
 
-    def check(self) -> None:
-        """Check (or renew) the taken slot."""
-        self._lock.check()
+    def check(self) -> dict[str, object] | None:
+        """Check (or renew) the taken slot; the stop request it read."""
+        return self._lock.check()
 
     def known_lost(self) -> str | None:
         """Whether the taken slot is known to be lost."""

@@ -46,7 +46,7 @@ class Watchdog:
         self._wake = wake
         self._log = log
         self.lost: str | None = None
-        #: Who asked (``jobrun stop``) for this run to stop, once a check has read it.
+        #: Who asked (``jobrun stop``) for this run to stop: the first request a check read.
         self.stop_request: dict[str, object] | None = None
         self.stop_at = confirmed_at + lock.confirmation_lifetime
         # The acquisition was the first confirmation: the first check is one interval later.
@@ -98,7 +98,7 @@ class Watchdog:
         while not self._stopping():
             sent = time.monotonic()
             try:
-                self._lock.check()
+                request = self._lock.check()
             except LockLost as exc:
                 if not self._stopping():
                     self.lost = str(exc)
@@ -119,7 +119,8 @@ class Watchdog:
                 failures = 0
             self.stop_at = sent + self._lock.confirmation_lifetime
             self._log.debug("lock_confirmed", valid_for=self._lock.confirmation_lifetime)
-            if self._lock.stop_request is not None and self.stop_request is None:
-                self.stop_request = self._lock.stop_request
+            if request is not None and self.stop_request is None:
+                # The first request counts (who asked first); later ones change nothing.
+                self.stop_request = request
                 self._wake()
             self._session.pause(sent + self._interval - time.monotonic(), self._stop_r)

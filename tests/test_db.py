@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from jobrun import db, keys
 from jobrun.db import connecting
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.locks import Identity, new_run_id
+from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import SessionLock
 from jobrun.session import ServerSession
 from jobrun.testing import jobrun_cli
@@ -450,7 +450,7 @@ def lock_socket(dsn, pg_address, key) -> Iterator[tuple[SessionLock, db.Target, 
         heartbeat=1.0,
         kill_after=KILL_AFTER,
     )
-    assert lock.acquire(0) is None
+    assert isinstance(lock.acquire(0), Taken)
     try:
         conn = session.connection()
         assert conn is not None

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from jobrun import db, keys
-from jobrun.locks import Identity, new_run_id
+from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
 from jobrun.session import ServerSession
 from jobrun.testing import jobrun_cli
@@ -704,7 +704,7 @@ class TestSessionSettings:
             heartbeat=1.0,
             kill_after=7.0,
         )
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         try:
             conn = session.connection()
             assert conn is not None

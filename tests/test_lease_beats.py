@@ -10,7 +10,7 @@ import structlog
 
 from jobrun import db, keys
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.locks import Identity, new_run_id
+from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.session import ServerSession
 
@@ -42,7 +42,7 @@ class TestKeptBeats:
             renew_every=RENEW_EVERY,
         )  # fmt: skip
         try:
-            assert lock.acquire(0) is None
+            assert isinstance(lock.acquire(0), Taken)
             conn = session.connection()
             assert conn is not None
             acquired = _renewed_at(dsn, lock_key.lock_id)
@@ -70,7 +70,7 @@ class TestKeptBeats:
             renew_every=RENEW_EVERY,
         )  # fmt: skip
         try:
-            assert lock.acquire(0) is None
+            assert isinstance(lock.acquire(0), Taken)
             first = session.connection()
             assert first is not None
             with psycopg.connect(dsn, autocommit=True) as admin:

@@ -7,15 +7,16 @@ and ``lease`` (the test server): the fake cannot drift from what the real locks 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING, Protocol
 
 import psycopg
 import pytest
 import structlog
 
-from jobrun import db, keys
+from jobrun import db, keys, slots, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
-from jobrun.locks import Identity, Lock, new_run_id
+from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
 from jobrun.session import ServerSession
@@ -154,38 +155,88 @@ class TestAcquire:
     def test_a_free_key_is_acquired(self, locks, names):
         """acquire on a free key returns None: held (and checks fine)."""
         lock, _ = locks.make(names[0])
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         lock.check()
 
     def test_a_held_key_is_not_acquired_and_names_its_holder(self, locks, names):
         """A second lock on a held key gets the holder back: its host, pid and run id."""
         first, who = locks.make(names[0])
-        assert first.acquire(0) is None
+        assert isinstance(first.acquire(0), Taken)
         second, _ = locks.make(names[0])
         holder = second.acquire(0)
-        assert holder is not None
+        assert isinstance(holder, Holder)
         assert (holder.host, holder.pid, holder.run_id) == (who.host, who.pid, who.run_id)
 
     def test_a_released_key_is_acquired_by_the_next(self, locks, names):
         """Once the holder releases, the second lock gets the key."""
         first, _ = locks.make(names[0])
         second, _ = locks.make(names[0])
-        assert first.acquire(0) is None
-        assert second.acquire(0) is not None
+        assert isinstance(first.acquire(0), Taken)
+        assert isinstance(second.acquire(0), Holder)
         first.release()
-        assert second.acquire(0) is None
+        assert isinstance(second.acquire(0), Taken)
 
     def test_several_keys_are_taken_all_or_none(self, locks, names):
         """A lock on [a, b] while b is held elsewhere: not acquired, and a is left free."""
         a, b = names
         other, _ = locks.make(b)
-        assert other.acquire(0) is None
+        assert isinstance(other.acquire(0), Taken)
         both, _ = locks.make(a, b)
         holder = both.acquire(0)
-        assert holder is not None
+        assert isinstance(holder, Holder)
         assert holder.key == b
         alone, _ = locks.make(a)
-        assert alone.acquire(0) is None
+        assert isinstance(alone.acquire(0), Taken)
+
+    def test_taken_says_when_the_lock_was_confirmed(self, locks, names):
+        """Taken.confirmed_at lies within the acquisition (sent or completed); no slot."""
+        lock, _ = locks.make(names[0])
+        before = time.monotonic()
+        taken = lock.acquire(0)
+        after = time.monotonic()
+        assert isinstance(taken, Taken)
+        assert before <= taken.confirmed_at <= after
+        assert taken.slot is None
+
+    def test_the_first_free_slot_is_taken_and_named(self, locks, names):
+        """SlotLock over two locks (a slot each), the first held elsewhere: slot 1, its id."""
+        ids = [keys.lock_id_for(name) for name in names]
+        elsewhere, _ = locks.make(names[0])
+        assert isinstance(elsewhere.acquire(0), Taken)
+        lock = slots.SlotLock([locks.make(name)[0] for name in names], ids)
+        taken = lock.acquire(0)
+        assert isinstance(taken, Taken)
+        assert taken.slot == (1, ids[1])
+        assert lock.check() is None
+        full = slots.SlotLock([locks.make(name)[0] for name in names], ids)
+        assert isinstance(full.acquire(0), Holder)
+        lock.release()
+        assert isinstance(full.acquire(0), Taken)
+
+
+class TestStopRequest:
+    """``check`` returns the ``jobrun stop`` request for the run it read (None: none)."""
+
+    def test_check_returns_the_request_for_this_run(self, locks, names):
+        """No request: None; one written for the run's id and key: every check returns it."""
+        if not isinstance(locks, ServerLocks):
+            pytest.skip("no jobrun stop request reaches a memory lock")
+        with psycopg.connect(locks.dsn, autocommit=True) as conn, conn.transaction():
+            conn.execute(sql.SCHEMA_XACT_LOCK)
+            conn.execute(sql.CONTROL_SCHEMA)
+        lock, who = locks.make(names[0])
+        assert isinstance(lock.acquire(0), Taken)
+        assert lock.check() is None
+        with psycopg.connect(locks.dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid, reason) "
+                "VALUES (%s, %s, 'h', session_user, 1, 'contract')",
+                (who.run_id, names[0]),
+            )
+        request = lock.check()
+        assert request is not None
+        assert request["reason"] == "contract"
+        assert lock.check() == request  # a read consumes nothing: the watchdog keeps the first
 
 
 class TestLoss:
@@ -194,7 +245,7 @@ class TestLoss:
     def test_a_lock_taken_away_fails_its_check(self, locks, names):
         """Taken away (backend terminated, lease deleted, memory freed): check raises LockLost."""
         lock, _ = locks.make(names[0])
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         locks.take_away(names[0])
         with pytest.raises(LockLost):
             lock.check()
@@ -202,7 +253,7 @@ class TestLoss:
     def test_one_key_of_several_taken_away_fails_the_check(self, locks, names):
         """Losing one of two keys is losing the lock."""
         lock, _ = locks.make(*names)
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         locks.take_away(names[1])
         with pytest.raises(LockLost):
             lock.check()
@@ -210,29 +261,29 @@ class TestLoss:
     def test_a_key_taken_away_can_be_acquired_by_another(self, locks, names):
         """The loss is real: another lock gets the key."""
         lock, _ = locks.make(names[0])
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         locks.take_away(names[0])
         other, _ = locks.make(names[0])
-        assert other.acquire(0) is None
+        assert isinstance(other.acquire(0), Taken)
 
     def test_release_after_loss_does_not_raise_nor_free_the_new_holder(self, locks, names):
         """Releasing a lost lock is quiet and leaves the key's new holder alone."""
         lock, _ = locks.make(names[0])
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         locks.take_away(names[0])
         other, _ = locks.make(names[0])
-        assert other.acquire(0) is None
+        assert isinstance(other.acquire(0), Taken)
         lock.release()
         other.check()
 
     def test_release_is_idempotent(self, locks, names):
         """A second release is quiet, and the key stays free for the next."""
         lock, _ = locks.make(names[0])
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         lock.release()
         lock.release()
         other, _ = locks.make(names[0])
-        assert other.acquire(0) is None
+        assert isinstance(other.acquire(0), Taken)
 
 
 class TestMemoryStoreDown:
@@ -250,7 +301,7 @@ class TestMemoryStoreDown:
         """store.down while held: check cannot tell, so it raises LockStoreUnavailable."""
         store = MemoryStore()
         lock = MemoryLock((keys.from_name(names[0]),), store)
-        assert lock.acquire(0) is None
+        assert isinstance(lock.acquire(0), Taken)
         store.down = True
         with pytest.raises(LockStoreUnavailable):
             lock.check()

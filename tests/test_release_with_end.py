@@ -8,7 +8,7 @@ import structlog
 
 from jobrun import db, keys
 from jobrun.history.calls import Calls
-from jobrun.locks import Identity, Lock, new_run_id
+from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
 from jobrun.session import ServerSession
@@ -74,7 +74,7 @@ class TestReleaseWithTheEnd:
         """The last call went through: the lock is free, the session still open."""
         lock, session = made(mode, dsn, key)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             session.resume(structlog.get_logger())  # lease mode: the end's connection
             assert held_elsewhere(dsn, mode, key)
             rows = calls(dsn, session).run("the end", ("SELECT 1 AS one",), {}, last=True)
@@ -91,7 +91,7 @@ class TestReleaseWithTheEnd:
         """The history statement fails: nothing was released with it; release() does it."""
         lock, session = made(mode, dsn, key)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             session.resume(structlog.get_logger())
             assert calls(dsn, session).run("the end", ("SELECT 1/0",), {}, last=True) is None
             assert held_elsewhere(dsn, mode, key)
@@ -105,7 +105,7 @@ class TestReleaseWithTheEnd:
         """The history's start (not ``last``) leaves the lock alone."""
         lock, session = made(mode, dsn, key)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             assert calls(dsn, session).run("the start", ("SELECT 1 AS one",), {}) == [[{"one": 1}]]
             assert held_elsewhere(dsn, mode, key)
         finally:
@@ -118,7 +118,7 @@ class TestSessionAcquisitionMessage:
         """No jobrun.leases: the one message still takes the lock (nothing to look up)."""
         lock, session = made("session", fresh_dsn, key)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             assert held_elsewhere(fresh_dsn, "session", key)
         finally:
             lock.release()
@@ -129,9 +129,9 @@ class TestSessionAcquisitionMessage:
         lease, lease_session = made("lease", dsn, key)
         lock, session = made("session", dsn, key)
         try:
-            assert lease.acquire(0.0) is None
+            assert isinstance(lease.acquire(0.0), Taken)
             holder = lock.acquire(0.0)
-            assert holder is not None
+            assert isinstance(holder, Holder)
             assert holder.expires_at is not None
             assert session.connection() is not None
             assert not held_elsewhere(dsn, "session", key)
@@ -145,9 +145,9 @@ class TestSessionAcquisitionMessage:
         first, first_session = made("session", dsn, key)
         second, second_session = made("session", dsn, key)
         try:
-            assert first.acquire(0.0) is None
+            assert isinstance(first.acquire(0.0), Taken)
             holder = second.acquire(0.0)
-            assert holder is not None
+            assert isinstance(holder, Holder)
             assert holder.backend_pid is not None
             assert holder.pid == 4242
         finally:
@@ -167,7 +167,7 @@ class TestSessionAcquisitionMessage:
         outsider = role(database_dsn=fresh_dsn)
         lock, session = made("session", outsider, key, fence=True)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             assert held_elsewhere(fresh_dsn, "session", key)
             assert getattr(lock, "fence_token", "missing") is None
         finally:
@@ -180,7 +180,7 @@ class TestSessionAcquisitionMessage:
             conn.execute("CREATE SCHEMA jobrun; CREATE SEQUENCE jobrun.fence")
         lock, session = made("session", fresh_dsn, key, fence=True)
         try:
-            assert lock.acquire(0.0) is None
+            assert isinstance(lock.acquire(0.0), Taken)
             assert getattr(lock, "fence_token", None) == 1
         finally:
             lock.release()

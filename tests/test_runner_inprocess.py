@@ -23,6 +23,7 @@ from structlog.testing import LogCapture
 from jobrun import keys, supervise
 from jobrun.exitcodes import Exit
 from jobrun.listeners import Listener
+from jobrun.locks import Taken
 from jobrun.procs import process_gone
 from jobrun.runner import Job
 from jobrun.testing.memory import MemoryLock, MemoryStore, forked, run_in_process
@@ -211,7 +212,7 @@ class TestSkip:
     def test_a_held_key_skips_with_the_skip_status_and_the_holder(self, job, store, tmp_path: Path):
         """Held: skipped (reason locked, the holder's run id), exit 75; the child never ran."""
         holder = lock_for(job, store)
-        assert holder.acquire(0) is None
+        assert isinstance(holder.acquire(0), Taken)
         marker = tmp_path / "ran"
         job = dataclasses.replace(job, argv=("touch", str(marker)))
         result = drive(job, store, lock_for(job, store))
@@ -228,7 +229,7 @@ class TestSkip:
 
     def test_the_skip_status_is_the_jobs(self, job, store):
         """--skip-exit-code 0: a skip exits 0."""
-        assert lock_for(job, store).acquire(0) is None
+        assert isinstance(lock_for(job, store).acquire(0), Taken)
         job = dataclasses.replace(job, skip_exit_code=0)
         result = drive(job, store, lock_for(job, store))
         assert result.status == 0
@@ -332,7 +333,7 @@ class TestListenerOrder:
 
     def test_a_skip_is_heard_as_skipped_then_released(self, job, store):
         """Skip: skipped (reason, status), released; never started."""
-        assert lock_for(job, store).acquire(0) is None
+        assert isinstance(lock_for(job, store).acquire(0), Taken)
         result = drive(job, store, lock_for(job, store), [Recording()])
         skip = int(Exit.SKIPPED)
         assert result.reports == [[f"skipped:locked:{skip}", f"released:{skip}"]]

@@ -13,7 +13,7 @@ import structlog
 
 from jobrun import db, keys, sql
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.locks import Identity, new_run_id
+from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.session import ServerSession
 
@@ -86,7 +86,7 @@ class TestFoundByTheSoak:
             )
             for pid in (1, 2)
         )
-        assert holder.acquire(0) is None
+        assert isinstance(holder.acquire(0), Taken)
         try:
             DiesAfterAcquire.admin_dsn = dsn
             with DiesAfterAcquire.connect(dsn, autocommit=True) as conn:  # noqa: SIM117

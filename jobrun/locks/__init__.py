@@ -52,8 +52,25 @@ class Holder:
         return {f"holder_{name}": value for name, value in vars(self).items() if value is not None}
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What ``Lock.acquire`` returns once every key is ours (a ``Holder``: someone else's).
+
+    ``confirmed_at``: the monotonic time the acquisition was sent (lease) or completed
+    (session), the lock's first confirmation (the watchdog's deadline counts from it).
+    ``slot``: with ``--slots``, the slot taken (0-based) and its lock id; otherwise None.
+    """
+
+    confirmed_at: float
+    slot: tuple[int, int] | None = None
+
+
 class Lock(Protocol):
     """A lock on a set of keys, held by one run at a time, over the session it is handed.
+
+    Five members: ``acquire`` takes it (or names its holder), ``check`` confirms it (and
+    reads a ``jobrun stop`` request), ``known_lost`` says what is known without asking,
+    ``release`` gives it back, ``confirmation_lifetime`` says how long a check vouches.
 
     ``acquire`` raises LockStoreUnavailable when the store cannot be used; ``check`` raises
     LockLost when the lock is provably gone and LockStoreUnavailable when this check could
@@ -67,27 +84,16 @@ class Lock(Protocol):
         """Seconds, from when a successful check was *sent*, the child may run without another."""
         ...
 
-    @property
-    def confirmed_at(self) -> float:
-        """Monotonic time the acquisition was sent (lease) or completed (session)."""
+    def acquire(self, wait: float) -> Taken | Holder:
+        """Take every key (``Taken``) or none of them (who holds the first one we could not get)."""
         ...
 
-    @property
-    def stop_request(self) -> dict[str, object] | None:
-        """A ``jobrun stop`` request for this run, set by the ``check`` that first read it."""
-        ...
+    def check(self) -> dict[str, object] | None:
+        """Confirm (session) or renew (lease) that the lock is still ours.
 
-    @property
-    def slot(self) -> tuple[int, int] | None:
-        """With ``--slots``: the slot taken (0-based) and its lock id; otherwise None."""
-        ...
-
-    def acquire(self, wait: float) -> Holder | None:
-        """Take every key (None) or none of them (who holds the first one we could not get)."""
-        ...
-
-    def check(self) -> None:
-        """Confirm (session) or renew (lease) that the lock is still ours."""
+        Returns the ``jobrun stop`` request for this run that this check read (who asked,
+        why), or None: none, or the lookup could not be made (the lock is checked anyway).
+        """
         ...
 
     def known_lost(self) -> str | None:

@@ -14,7 +14,7 @@ from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
 from jobrun.keys import Key, describe
-from jobrun.locks import Holder, Identity
+from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 from jobrun.session import SILENCE_GRACE
 
@@ -150,18 +150,14 @@ class LeaseLock:
         self._beat_bound = max(lock_wait(heartbeat) + SILENCE_GRACE, renew_every or heartbeat)
         #: None: every check renews.
         self._renew_every = renew_every
-        #: When the acquisition was sent (the first renewal, in effect).
+        #: When the acquisition was sent (the first renewal, in effect): ``Taken.confirmed_at``.
         self.confirmed_at = 0.0
         #: When the last successful renewal and heartbeat were sent (0: none since then).
         self._renewed_sent = 0.0
         self._beat_sent = 0.0
         self._app_name = session.app_name
         self._held = False
-        #: A ``jobrun stop`` request for this run (who asked, why), once a renewal saw one.
-        self.stop_request: dict[str, object] | None = None
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
-        #: No slots here (``slots.SlotLock`` has them).
-        self.slot: tuple[int, int] | None = None
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
@@ -191,13 +187,15 @@ class LeaseLock:
         renewed = max(self._renewed_sent, self.confirmed_at)
         return now + self._heartbeat >= renewed + self._renew_every
 
-    def acquire(self, wait: float) -> Holder | None:
+    def acquire(self, wait: float) -> Taken | Holder:
         """Take every lease that is free or expired, or none; retry while ``wait`` lasts."""
         deadline = time.monotonic() + wait
         while True:
             holder = self._try_once()
+            if holder is None:
+                return Taken(self.confirmed_at)
             remaining = deadline - time.monotonic()
-            if holder is None or remaining <= 0:
+            if remaining <= 0:
                 return holder
             self._session.close()  # nothing is held while we wait
             time.sleep(min(_WAIT_POLL, remaining))
@@ -313,15 +311,16 @@ class LeaseLock:
         label = next((key.label for key in self._keys if key.lock_id == lock_id), str(lock_id))
         return session_holder(label, session)
 
-    def check(self) -> None:
+    def check(self) -> dict[str, object] | None:
         """One heartbeat: renew every lease when due, else see that they are still ours.
 
         One statement either way, which also reads a ``jobrun stop`` request for us, where
-        it can. A lease that is no longer ours is lost. Only a renewal moves the deadline
-        (``confirmation_lifetime``); a failed or unanswered one is retried at the next beat.
+        it can (returned; None: none read). A lease that is no longer ours is lost. Only a
+        renewal moves the deadline (``confirmation_lifetime``); a failed or unanswered one is
+        retried at the next beat.
         """
         if not self._held:
-            return  # released with the end row: nothing left to renew
+            return None  # released with the end row: nothing left to renew
         sent = time.monotonic()
         renew = self._renewal_due(sent)
         what = "renewing the lease" if renew else "checking the lease"
@@ -336,8 +335,6 @@ class LeaseLock:
                     count, request = self._beat(conn, renew=renew)
         except psycopg.Error as exc:
             raise db.unavailable(exc, self._target, what) from None
-        if request is not None and self.stop_request is None:
-            self.stop_request = request
         if count != len(self._keys) and self._held:
             # _held stays True: the leases still ours (just renewed) must be deleted in
             # release(), which is owner-checked and so never touches the lost ones.
@@ -347,6 +344,7 @@ class LeaseLock:
         if renew:
             self._renewed_sent = sent
         self._beat_sent = sent
+        return request
 
     def _beat(
         self, conn: psycopg.Connection[tuple[object, ...]], *, renew: bool

@@ -13,7 +13,7 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import Key, describe
-from jobrun.locks import Holder, Identity
+from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.holders import (
     announcement,
     int_or_none,
@@ -87,20 +87,15 @@ class SessionLock:
         self._held: list[Key] = []
         self._comment = session.comment
         self._app_name = session.app_name
-        self.confirmed_at = 0.0
         self._run_id = identity.run_id
         #: A stop request counts only if it names one of these (the label or a key's).
         self._stop_keys = list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
-        #: A ``jobrun stop`` request for this run (who asked, why), once the heartbeat saw one.
-        self.stop_request: dict[str, object] | None = None
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
-        #: No slots here (``slots.SlotLock`` has them).
-        self.slot: tuple[int, int] | None = None
         #: ``--fence``: take the token in the acquisition's message (``fence_token``).
         self.fence = fence
         self.fence_token: int | None = None
 
-    def acquire(self, wait: float) -> Holder | None:
+    def acquire(self, wait: float) -> Taken | Holder:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
         conn = self._session.open()
         try:
@@ -123,7 +118,7 @@ class SessionLock:
         conn: psycopg.Connection[tuple[object, ...]],
         wait: float,
         facts: tuple[bool, int] | None,
-    ) -> Holder | None:
+    ) -> Taken | Holder:
         """Settings and facts (unless ``facts`` has them), the pooler probe, then the keys."""
         with db.translate_errors(self._target, "preparing the lock session"):
             if facts is None:
@@ -151,8 +146,7 @@ class SessionLock:
             if blocked is None:
                 leased = self._leased(conn)
                 if leased is None:
-                    self._taken()
-                    return None
+                    return self._taken()
                 self._unlock_taken(conn)
                 return leased
             self._unlock_taken(conn)
@@ -162,7 +156,7 @@ class SessionLock:
 
     def _take_at_once(
         self, conn: psycopg.Connection[tuple[object, ...]]
-    ) -> Holder | tuple[bool, int] | None:
+    ) -> Taken | Holder | tuple[bool, int]:
         """One key, no wait, ONE message (sql.SESSION_TAKE_AT_ONCE): the outcome, or facts.
 
         (standby, backend pid) when the lock was not tried: the backend is not the one the
@@ -209,8 +203,7 @@ class SessionLock:
             return leased
         token = found[6]
         self.fence_token = int(str(token)) if token is not None else None
-        self._taken()
-        return None
+        return self._taken()
 
     def _immune(self, conn: psycopg.Connection[tuple[object, ...]]) -> str:
         """The settings that keep the session alive: PostgreSQL 14 knows more of them."""
@@ -220,17 +213,18 @@ class SessionLock:
             else sql.SESSION_IMMUNE
         )
 
-    def _taken(self) -> None:
+    def _taken(self) -> Taken:
         """Every key is ours: confirmed now; the run's last history message may release it.
 
         The unlock goes after a COMMIT of that message's statements: a session lock is no
         part of a transaction, and the next run must find our end row, not our running one.
         """
-        self.confirmed_at = time.monotonic()
+        confirmed_at = time.monotonic()
         unlocks = ";\n".join(
             f"SELECT pg_advisory_unlock({int(key.lock_id)})" for key in reversed(self._held)
         )
         self._session.end_with("COMMIT;\n" + unlocks, self._held.clear)
+        return Taken(confirmed_at)
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
         deadline = time.monotonic() + wait
@@ -307,10 +301,11 @@ class SessionLock:
             return Holder(key=key.label)
         return session_holder(key.label, row)
 
-    def check(self) -> None:
+    def check(self) -> dict[str, object] | None:
         """Prove the session is alive and its backend still holds every key.
 
-        The same statement reads a ``jobrun stop`` request for this run, where it can.
+        The same statement reads a ``jobrun stop`` request for this run, where it can: the
+        request is returned (None: none read).
         """
         held = [key.lock_id for key in self._held]
         with self._session.use() as conn:
@@ -336,12 +331,11 @@ class SessionLock:
                         f"the lock session broke: {db.one_line(exc, self._target)}"
                     ) from None
                 raise db.unavailable(exc, self._target, "checking the lock") from None
-        if request is not None and self.stop_request is None:
-            self.stop_request = request
         if count != len(self._held):
             raise LockLost(
                 f"the server no longer shows our advisory lock ({count} of {len(self._held)} held)"
             )
+        return request
 
     def known_lost(self) -> str | None:
         """The lock session broke (a history call on it failed): the server freed our keys."""

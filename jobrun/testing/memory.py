@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, TypeVar
 from jobrun import db
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import describe
-from jobrun.locks import Holder, Identity, new_run_id
+from jobrun.locks import Holder, Identity, Taken, new_run_id
 from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
@@ -136,16 +136,12 @@ class MemoryLock:
         #: Who the lock runs as (a run's identity: its run id names it as a holder).
         self.identity = identity or Identity(run_id=new_run_id(), pid=os.getpid())
         self.confirmation_lifetime = lifetime
-        self.confirmed_at = 0.0
-        self.stop_request: dict[str, object] | None = None
-        self.slot: tuple[int, int] | None = None
 
-    def acquire(self, wait: float) -> Holder | None:
-        """Take every key (None) or none (the first key's holder), waiting up to ``wait``."""
+    def acquire(self, wait: float) -> Taken | Holder:
+        """Take every key (``Taken``) or none (the first key's holder), waiting up to ``wait``."""
         blocker = self._store.take(self, self._keys, self.identity, wait)
         if blocker is None:
-            self.confirmed_at = time.monotonic()
-            return None
+            return Taken(time.monotonic())
         who = blocker.identity
         return Holder(
             key=blocker.label,
@@ -156,14 +152,18 @@ class MemoryLock:
             since=who.started.isoformat(timespec="seconds"),
         )
 
-    def check(self) -> None:
-        """Still ours: every key held by this lock; else LockLost (down: unavailable)."""
+    def check(self) -> dict[str, object] | None:
+        """Still ours: every key held by this lock; else LockLost (down: unavailable).
+
+        No ``jobrun stop`` request ever reaches a memory lock: None.
+        """
         ours = self._store.still_held(self, self._keys)
         if ours != len(self._keys):
             raise LockLost(
                 f"the memory lock on {describe(self._keys)} was taken away"
                 f" ({ours} of {len(self._keys)} still ours)"
             )
+        return None
 
     def known_lost(self) -> str | None:
         """As a lease: a loss shows only when checked."""
