@@ -338,6 +338,32 @@ class TestMixedModes:
         assert left_behind == []
         assert not ran.exists()
 
+    @pytest.mark.parametrize("wait", [None, "1s"], ids=["at-once", "waiting"])
+    def test_a_lease_run_skips_while_a_lease_run_holds_the_key(self, dsn, key, tmp_path, wait):
+        """Lease behind lease (one statement, or --wait's path): the skip names the holder."""
+        marker = tmp_path / "holder"
+        lease = ("--mode", "lease")
+        holder = jobrun_cli.start(
+            "--key", key, *lease, "--", *jobrun_cli.holder_marker(marker), dsn=dsn
+        )  # fmt: skip
+        ran = tmp_path / "ran"
+        waits = ("--wait", wait) if wait else ()
+        try:
+            wait_for_file(marker)
+            result = jobrun_cli.run(
+                "--key", key, *lease, *waits, "--", "touch", str(ran), dsn=dsn
+            )  # fmt: skip
+        finally:
+            stderr = jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert result.returncode == 75, result.stderr
+        skipped = event(result.stderr, "skipped")
+        assert skipped["holder_run_id"] == event(stderr, "started")["run_id"]
+        assert skipped["holder_pid"] == holder.pid
+        assert skipped["holder_host"] == os.uname().nodename
+        assert skipped["holder_since"]
+        assert skipped["holder_expires_at"]
+        assert not ran.exists()
+
 
 class TestForeignHolders:
     """Whatever another session put in its query is taken on trust by nothing."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors
@@ -19,6 +19,8 @@ from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from structlog.typing import FilteringBoundLogger
 
     from jobrun.session import ServerSession
@@ -240,14 +242,7 @@ class LeaseLock:
         if row is None:  # expired or released between the two statements: try again later
             return Holder(key=describe(self._keys))
         _, label, owner, host, pid, acquired_at, _, expires_at = row
-        return Holder(
-            key=str(label),
-            host=str(host),
-            pid=int(str(pid)),
-            run_id=str(owner),
-            since=acquired_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
-            expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
-        )
+        return _lease_holder((label, owner, host, pid, acquired_at, expires_at))
 
     def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
         """All leases in one statement and one transaction; roll back unless we got all.
@@ -290,15 +285,7 @@ class LeaseLock:
             return session_holder(label, row[9:14])
         if lease[0] is None:  # expired or released since: try again later
             return Holder(key=label)
-        key, owner, host, pid, acquired_at, expires_at = lease
-        return Holder(
-            key=str(key),
-            host=str(host),
-            pid=int(str(pid)),
-            run_id=str(owner),
-            since=acquired_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
-            expires_at=expires_at.isoformat(timespec="seconds"),  # type: ignore[attr-defined]
-        )
+        return _lease_holder(lease)
 
     def _session_holder(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder:
         """Who holds one of our keys as a session-mode advisory lock."""
@@ -407,6 +394,19 @@ class LeaseLock:
     def known_lost(self) -> str | None:
         """A lease's loss only shows when a renewal fails: nothing is known in between."""
         return None
+
+
+def _lease_holder(lease: Sequence[Any]) -> Holder:
+    """The lease-mode run holding a key: key, owner, host, pid, acquired_at, expires_at."""
+    key, owner, host, pid, acquired_at, expires_at = lease
+    return Holder(
+        key=str(key),
+        host=str(host),
+        pid=int(str(pid)),
+        run_id=str(owner),
+        since=acquired_at.isoformat(timespec="seconds"),
+        expires_at=expires_at.isoformat(timespec="seconds"),
+    )
 
 
 def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
