@@ -32,6 +32,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     here, and only those the settings use.
     """
     from jobrun import db, log, masking, operators, runner
+    from jobrun.job import Job
     from jobrun.locks import Identity, new_run_id
 
     extras = operators.validate(
@@ -83,7 +84,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         version=__version__,
     )
     target = dataclasses.replace(target, on_slow_connect=_still_connecting(target, bound))
-    job = runner.Job(
+    job = Job(
         argv=argv,
         keys=run_keys,
         wait=settings.wait,

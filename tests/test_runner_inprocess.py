@@ -22,10 +22,10 @@ from structlog.testing import LogCapture
 
 from jobrun import keys, supervise
 from jobrun.exitcodes import Exit
+from jobrun.job import Job
 from jobrun.listeners import Listener
 from jobrun.locks import Taken
 from jobrun.procs import process_gone
-from jobrun.runner import Job
 from jobrun.testing.memory import MemoryLock, MemoryStore, forked, run_in_process
 
 if TYPE_CHECKING:

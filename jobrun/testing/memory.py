@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.job import Job
     from jobrun.keys import Key
     from jobrun.listeners import Listener
-    from jobrun.runner import Job
 
 T = TypeVar("T")
 
