@@ -242,32 +242,6 @@ def _requested(
     return Requested(by=str(row[0]), held=bool(look and look[0][0]))
 
 
-#: The label the history records for the run %(run_id)s: the owner's view (``jobrun
-#: init``'s run_label, which row-level security does not narrow), or the table itself (as
-#: sql.RUN_LABEL and sql.RUN_LABEL_VISIBLE, as an expression).
-_LABEL_BY_FUNCTION = "jobrun.run_label(%(run_id)s::uuid)"
-_LABEL_VISIBLE = "(SELECT key FROM jobrun.runs WHERE run_id = %(run_id)s::uuid)"
-
-#: ``jobrun stop``'s request (sql.STOP_REQUEST) written only if the history does not record
-#: the run as one of another key: verify_run's check in the same statement as the INSERT.
-#: %(key)s is the first key asked for; with several (%(several)s) the run's recorded label,
-#: whose order is the run's locking order, where there is one.
-#: WARNING: the check must guard the INSERT itself, not merely come before it: a request
-#: written for a run of another key is never read by that run, but it takes that run id's
-#: row (the first request is kept), and the key's own operators could no longer stop it.
-_CHECKED_REQUEST = """
-INSERT INTO jobrun.stop_requests (run_id, key, host, username, claimed_user, pid, reason)
-SELECT %(run_id)s::uuid,
-       CASE WHEN %(several)s AND recorded.label IS NOT NULL THEN recorded.label
-            ELSE %(key)s END,
-       %(host)s, session_user, %(user)s, %(pid)s, %(reason)s
-FROM (SELECT {label} AS label) AS recorded
-WHERE recorded.label IS NULL OR string_to_array(recorded.label, ',') @> %(parts)s::text[]
-ON CONFLICT (run_id) DO NOTHING
-RETURNING username
-"""
-
-
 def ask_to_stop(
     conn: Connection, label: str, holder: Holder, reason: str | None, *, labelled: bool | None
 ) -> Requested:
@@ -282,7 +256,7 @@ def ask_to_stop(
     """
     parts = label.split(",")
     if labelled is not None and holder.run_id is not None:
-        recorded_label = _LABEL_BY_FUNCTION if labelled else _LABEL_VISIBLE
+        recorded_label = sql.RUN_LABEL_EXPR if labelled else sql.RUN_LABEL_VISIBLE_EXPR
         params = {
             "run_id": holder.run_id,
             "key": parts[0],
@@ -294,7 +268,7 @@ def ask_to_stop(
         }
         statements = [
             f"SELECT {recorded_label}",
-            _CHECKED_REQUEST.format(label=recorded_label),
+            sql.STOP_REQUEST_CHECKED.format(label=recorded_label),
             sql.STOP_REQUESTS_PRUNE,
             _still_holding(holder),
         ]

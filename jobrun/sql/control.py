@@ -202,3 +202,28 @@ STATUS_RUNNING = """
 SELECT key, run_id, extract(epoch FROM clock_timestamp() - started_at)::float8 AS running_for
 FROM jobrun.runs WHERE outcome = 'running' AND (%(all)s OR key = ANY(%(keys)s::text[]))
 """
+
+#: The label the history records for the run %(run_id)s: the owner's view (``jobrun
+#: init``'s run_label, which row-level security does not narrow), or the table itself (as
+#: RUN_LABEL and RUN_LABEL_VISIBLE, as expressions).
+RUN_LABEL_EXPR = "jobrun.run_label(%(run_id)s::uuid)"
+RUN_LABEL_VISIBLE_EXPR = "(SELECT key FROM jobrun.runs WHERE run_id = %(run_id)s::uuid)"
+
+#: ``jobrun stop``'s request (STOP_REQUEST) written only if the history does not record
+#: the run as one of another key: control.verify_run's check in the same statement as the INSERT.
+#: %(key)s is the first key asked for; with several (%(several)s) the run's recorded label,
+#: whose order is the run's locking order, where there is one.
+#: WARNING: the check must guard the INSERT itself, not merely come before it: a request
+#: written for a run of another key is never read by that run, but it takes that run id's
+#: row (the first request is kept), and the key's own operators could no longer stop it.
+STOP_REQUEST_CHECKED = """
+INSERT INTO jobrun.stop_requests (run_id, key, host, username, claimed_user, pid, reason)
+SELECT %(run_id)s::uuid,
+       CASE WHEN %(several)s AND recorded.label IS NOT NULL THEN recorded.label
+            ELSE %(key)s END,
+       %(host)s, session_user, %(user)s, %(pid)s, %(reason)s
+FROM (SELECT {label} AS label) AS recorded
+WHERE recorded.label IS NULL OR string_to_array(recorded.label, ',') @> %(parts)s::text[]
+ON CONFLICT (run_id) DO NOTHING
+RETURNING username
+"""
