@@ -62,7 +62,7 @@ def child_environment(
 
 @dataclass
 class ChildRun:
-    """One child's start, supervision and end, for the run that took (or skipped) the lock."""
+    """One child's start, supervision and end: under the lock, or unguarded (--on-db-error run)."""
 
     job: Job
     session: ServerSession
