@@ -34,13 +34,8 @@ class TestKeptBeats:
     def test_a_beat_before_the_renewal_is_due_neither_renews_nor_vouches(self, dsn, key):
         """The lease row is untouched and the deadline still counts from the acquisition;
         the beat at which the next one would come too late renews, and the deadline moves."""
-        session = ServerSession(db.Target(dsn=dsn), app_name="jobrun:test", held=False, keeps=True)
         lock_key = keys.from_name(key)
-        lock = LeaseLock(
-            (lock_key,), session, Identity(run_id=new_run_id(), pid=os.getpid()),
-            structlog.get_logger(), ttl=3 * LIFETIME, lifetime=LIFETIME, heartbeat=1.0,
-            renew_every=RENEW_EVERY,
-        )  # fmt: skip
+        lock, session = _kept_lease(dsn, key)
         try:
             assert isinstance(lock.acquire(0), Taken)
             conn = session.connection()
@@ -63,12 +58,7 @@ class TestKeptBeats:
 
     def test_a_broken_kept_connection_is_reopened_by_the_next_beat(self, dsn, key):
         """The kept connection failing is not fatal: the next beat connects again."""
-        session = ServerSession(db.Target(dsn=dsn), app_name="jobrun:test", held=False, keeps=True)
-        lock = LeaseLock(
-            (keys.from_name(key),), session, Identity(run_id=new_run_id(), pid=os.getpid()),
-            structlog.get_logger(), ttl=3 * LIFETIME, lifetime=LIFETIME, heartbeat=1.0,
-            renew_every=RENEW_EVERY,
-        )  # fmt: skip
+        lock, session = _kept_lease(dsn, key)
         try:
             assert isinstance(lock.acquire(0), Taken)
             first = session.connection()
@@ -87,3 +77,14 @@ class TestKeptBeats:
         finally:
             lock.release()
             session.close()
+
+
+def _kept_lease(dsn: str, key: str) -> tuple[LeaseLock, ServerSession]:
+    """A lease lock on ``key`` over a kept connection: a beat a second, renewing when due."""
+    session = ServerSession(db.Target(dsn=dsn), app_name="jobrun:test", held=False, keeps=True)
+    lock = LeaseLock(
+        (keys.from_name(key),), session, Identity(run_id=new_run_id(), pid=os.getpid()),
+        structlog.get_logger(), ttl=3 * LIFETIME, lifetime=LIFETIME, heartbeat=1.0,
+        renew_every=RENEW_EVERY,
+    )  # fmt: skip
+    return lock, session
