@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import uuid
@@ -22,8 +21,8 @@ from support import EXAMPLES_PROPERTY
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
 
-#: Fixtures shared by several test files (databases and roles of a test's own; history).
-pytest_plugins = ["support.fixtures", "support.history"]
+#: Fixtures shared by several test files (databases and roles of a test's own; history; leaks).
+pytest_plugins = ["support.fixtures", "support.history", "support.leaks"]
 
 #: Point the tests at an existing server (libpq key=value or URI); unset: a private one.
 DSN_ENV = "JOBRUN_TEST_DSN"
@@ -87,18 +86,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(mark)
         if item.get_closest_marker("fault") and not item.get_closest_marker("pg"):
             item.add_marker("pg")  # a fault test always has a server of its own
-
-
-@pytest.fixture(autouse=True)
-def _leaks_fail_their_own_test() -> Iterator[None]:
-    """Collect garbage as each test ends.
-
-    A Popen still running or a file left open is reported (a ResourceWarning, an error under
-    ``filterwarnings = error``) when it is collected: collecting here pins it on the test that
-    leaked it, not on whichever test happens to run next on the same worker.
-    """
-    yield
-    gc.collect()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

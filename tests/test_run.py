@@ -859,11 +859,20 @@ class TestMinHold:
 #: jobrun with a bug injected into the supervisor: it raises once the child has written its
 #: pid (the child's group includes a grandchild that PDEATHSIG alone would not stop).
 BROKEN_SUPERVISOR = """
-import os, sys, time
+import sys, time
 from jobrun import cli, supervise
 
+def written(path):
+    try:
+        with open(path) as f:
+            return f.read().endswith("\\n")
+    except FileNotFoundError:
+        return False
+
 def broken(child, **_options):
-    while not os.path.exists(sys.argv[1]):
+    # The whole line, not just the file: the shell creates the file before it writes the pid,
+    # and a bug raised in between would leave the test waiting for a pid that never comes.
+    while not written(sys.argv[1]):
         time.sleep(0.01)
     raise RuntimeError("injected bug")
 
@@ -949,7 +958,7 @@ class TestJobrunItselfFails:
             text=True,
         )  # fmt: skip
         try:
-            group = int(wait_for_file(pidfile))
+            group = int(wait_for_file(pidfile, proc=broken))
             # Queued behind the broken run: it gets the lock the moment that run lets go.
             alive = f"kill -0 -- -{group} 2>/dev/null && echo alive || echo gone"
             waiter = jobrun_cli.run(

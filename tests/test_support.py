@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import random
+import re
 import select
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -321,3 +325,38 @@ def test_missing_pgbouncer_skips_locally_but_fails_on_ci(monkeypatch: pytest.Mon
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception):
         pgbouncer_module.require_pgbouncer()
+
+
+LEAKY_TESTS = """
+import subprocess, sys
+
+def test_a_failing_test_that_leaks_a_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    assert child.pid < 0, "fails, with the running Popen in its frame"
+
+def test_a_clean_neighbour():
+    assert sum(range(3)) == 3
+"""
+
+
+def test_a_leak_fails_the_test_that_leaked_it(tmp_path: Path) -> None:
+    """A failed test's leaked process is reported on that test, never on the next one."""
+    (tmp_path / "test_leaky.py").write_text(LEAKY_TESTS)
+    tests_dir = Path(__file__).parent
+    inner = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "support.leaks", "-p", "no:randomly",
+         "-p", "no:cacheprovider", "-W", "error", "-rA", "-q", "test_leaky.py"],
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tests_dir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    reported = re.compile(r"^(PASSED|FAILED|ERROR) test_leaky\.py::(\w+)", re.MULTILINE)
+    outcomes = set(reported.findall(inner.stdout))
+    assert outcomes == {
+        ("FAILED", "test_a_failing_test_that_leaks_a_process"),
+        ("ERROR", "test_a_failing_test_that_leaks_a_process"),
+        ("PASSED", "test_a_clean_neighbour"),
+    }, inner.stdout
