@@ -35,14 +35,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     from jobrun.job import Job
     from jobrun.locks import Identity, new_run_id
 
-    extras = operators.validate(
-        ping=settings.ping,
-        ping_timeout=settings.ping_timeout,
-        keep_output=settings.keep_output,
-        fence=settings.fence,
-        on_db_error=settings.on_db_error,
-        no_history=settings.no_history,
-    )
+    extras = operators.validate(settings)
 
     run_keys = settings.run_keys
     target = db.Target(dsn=settings.dsn, connect_timeout=settings.connect_timeout)

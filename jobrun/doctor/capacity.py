@@ -65,17 +65,12 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
     ):
         present, *privileges = query.one(conn, sql.DOCTOR_TABLE, {"table": table})
         name = f"jobrun.{table}"
+        if not present and create_in_schema:
+            findings.append(Finding(OK, name, "not there yet; created on first use"))
+            continue
         if not present:
-            if create_in_schema:
-                findings.append(Finding(OK, name, "not there yet; created on first use"))
-            else:
-                findings.append(
-                    Finding(
-                        severity,
-                        name,
-                        f"missing, and this role may not create it: {purpose} will not work",
-                    )
-                )
+            why = f"missing, and this role may not create it: {purpose} will not work"
+            findings.append(Finding(severity, name, why))
             continue
         missing = [
             verb

@@ -128,23 +128,19 @@ def idle_timeouts(conn: Connection) -> list[Finding]:
     settings = query.settings(conn, names)
     findings = []
     for name in names:
-        if name not in settings:
-            findings.append(Finding(OK, name, "not in this server version"))
-            continue
-        setting, shown = settings[name]
-        if setting == "0":
-            findings.append(Finding(OK, name, "0 (off)"))
+        setting, shown = settings.get(name, (None, ""))
+        if setting is None:
+            said = "not in this server version"
+        elif setting == "0":
+            said = "0 (off)"
         else:
             # WARNING: this is only harmless because the lock session sets both to 0 for
             # itself; anything that holds a session lock without doing so would lose it.
-            findings.append(
-                Finding(
-                    OK,
-                    name,
-                    f"{shown} for new sessions: jobrun's lock session sets it to 0 for itself "
-                    "(the job's own sessions are still subject to it)",
-                )
+            said = (
+                f"{shown} for new sessions: jobrun's lock session sets it to 0 for itself "
+                "(the job's own sessions are still subject to it)"
             )
+        findings.append(Finding(OK, name, said))
     return findings
 
 

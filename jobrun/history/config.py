@@ -91,3 +91,15 @@ def iso(value: object) -> str | None:
     if isinstance(value, dt.datetime):
         return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
     return None if value is None else str(value)
+
+
+def pause(row: Mapping[str, object]) -> dict[str, object]:
+    """A ``jobrun.pauses`` row as ``status`` shows it: who paused the key, when, until, why."""
+    return {
+        "host": row["host"],
+        "user": row["username"],
+        "pid": row["pid"],
+        "since": iso(row["paused_at"]),
+        "until": iso(row["until"]),
+        "reason": row["reason"],
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,33 +16,23 @@ if TYPE_CHECKING:
     from jobrun.tail import Capture
 
 
+@dataclass
 class Notifier:
     """Writes the metrics file and raises alerts (error line + hook) for one run."""
 
-    def __init__(
-        self,
-        label: str,
-        lock_ids: list[int],
-        identity: Identity,
-        *,
-        mode: str,
-        config: HistoryConfig,
-        log: FilteringBoundLogger,
-        environ: Mapping[str, str] | None = None,
-        secrets: tuple[str, ...] = (),
-    ) -> None:
-        self._label = label
-        self._lock_ids = lock_ids
-        self._identity = identity
-        self._mode = mode
-        self._config = config
-        self._log = log
-        self._environ = environ
-        self._secrets = secrets
-        self._started = time.time()
-        self._pending: list[dict[str, object]] = []
-        #: --keep-output: the alert hook's event carries the output tails.
-        self.output: Capture | None = None
+    label: str
+    lock_ids: list[int]
+    identity: Identity
+    _: KW_ONLY
+    mode: str
+    config: HistoryConfig
+    log: FilteringBoundLogger
+    environ: Mapping[str, str] | None = None
+    secrets: tuple[str, ...] = ()
+    #: --keep-output: the alert hook's event carries the output tails.
+    output: Capture | None = None
+    _started: float = field(default_factory=time.time, init=False)
+    _pending: list[dict[str, object]] = field(default_factory=list, init=False)
 
     def metrics(
         self,
@@ -53,12 +44,12 @@ class Notifier:
         failure_streak: int | None = None,
     ) -> None:
         """Write ``--metrics-file`` (streaks None: counted on from the file's values)."""
-        if not self._config.metrics_file:
+        if not self.config.metrics_file:
             return
         from jobrun import metrics  # noqa: PLC0415 - only with --metrics-file: a lean run path
 
         sample = metrics.Sample(
-            key=self._label,
+            key=self.label,
             outcome=outcome,
             exit_code=exit_code,
             started=self._started,
@@ -67,25 +58,25 @@ class Notifier:
             skip_streak=skip_streak,
             failure_streak=failure_streak,
         )
-        metrics.write(self._config.metrics_file, sample, self._log)
+        metrics.write(self.config.metrics_file, sample, self.log)
 
     def alert(self, name: str, fields: dict[str, object], *, defer: bool = False) -> None:
         """Log a streak at error level (``recovered``: warning) and hand it to the hook.
 
         ``defer`` keeps the hook (it may take up to ``alert_timeout``) for ``flush``.
         """
-        emit = self._log.warning if name == "recovered" else self._log.error
+        emit = self.log.warning if name == "recovered" else self.log.error
         emit(name, **fields)
-        if not self._config.on_alert:
+        if not self.config.on_alert:
             return
         event: dict[str, object] = {
             "event": name,
-            "key": self._label,
-            "lock_ids": self._lock_ids,
-            "run_id": self._identity.run_id,
-            "host": self._identity.host,
-            "pid": self._identity.pid,
-            "mode": self._mode,
+            "key": self.label,
+            "lock_ids": self.lock_ids,
+            "run_id": self.identity.run_id,
+            "host": self.identity.host,
+            "pid": self.identity.pid,
+            "mode": self.mode,
             **fields,
         }
         if self.output is not None and self.output.used:
@@ -104,17 +95,17 @@ class Notifier:
             self._run_hook(event)
 
     def _run_hook(self, event: dict[str, object]) -> None:
-        if not self._config.on_alert:
+        if not self.config.on_alert:
             return
         from jobrun import alerts  # noqa: PLC0415 - only a run with --on-alert needs it
 
         alerts.deliver(
-            self._config.on_alert,
+            self.config.on_alert,
             event,
-            timeout=self._config.alert_timeout,
-            log=self._log,
-            environ=self._environ,
-            secrets=self._secrets,
+            timeout=self.config.alert_timeout,
+            log=self.log,
+            environ=self.environ,
+            secrets=self.secrets,
         )
 
 

@@ -11,7 +11,7 @@ from psycopg.types.json import Jsonb
 from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import Calls
-from jobrun.history.config import FAILURES, holder_ref, iso
+from jobrun.history.config import FAILURES, holder_ref, iso, pause
 from jobrun.history.notify import Notifier
 from jobrun.keys import Key, describe
 
@@ -358,13 +358,9 @@ def pause_keys(keys: tuple[Key, ...]) -> list[str]:
 
 
 def pause_fields(row: Mapping[str, object]) -> dict[str, object]:
-    """``paused_*`` log fields of a pause row."""
-    return {
-        "paused_by_host": row["host"],
-        "paused_by_user": row["username"],
-        "paused_by_pid": row["pid"],
-        "paused_since": iso(row["paused_at"]),
-        "paused_until": iso(row["until"]),
-        "paused_reason": row["reason"],
-        "paused_key": row["key"],
+    """``paused_*`` log fields of a pause row (``paused_by_*`` for who paused it)."""
+    fields = {
+        f"paused_by_{name}" if name in ("host", "user", "pid") else f"paused_{name}": value
+        for name, value in pause(row).items()
     }
+    return {**fields, "paused_key": row["key"]}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -49,15 +49,10 @@ class Lock:
         return f"{self.mode} on {what}{row}"
 
     def as_json(self) -> dict[str, Any]:
-        """The lock's pg_locks fields."""
-        return {
-            "locktype": self.locktype,
-            "mode": self.mode,
-            "relation": self.relation,
-            "id": self.ident,
-            "row": self.row,
-            "row_relation": self.row_relation,
-        }
+        """The lock's pg_locks fields (``ident`` as ``id``)."""
+        fields = asdict(self)
+        fields["id"] = fields.pop("ident")
+        return fields
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import errors
 
 from jobrun import db, keys, messages, sql
+from jobrun.history import config
 from jobrun.history.config import iso
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
@@ -324,14 +325,7 @@ def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) ->
     """Pauses, expectations and running runs: status fields by key label."""
     found: dict[str, Row] = {}
     for pause in pauses:
-        found.setdefault(pause["key"], {})["paused"] = {
-            "host": pause["host"],
-            "user": pause["username"],
-            "pid": pause["pid"],
-            "since": iso(pause["paused_at"]),
-            "until": iso(pause["until"]),
-            "reason": pause["reason"],
-        }
+        found.setdefault(pause["key"], {})["paused"] = config.pause(pause)
     for expected in expectations:
         found.setdefault(expected["key"], {}).update(
             expect_every=expected["every"],
