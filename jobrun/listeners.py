@@ -70,16 +70,8 @@ class Recorder(Protocol):
         """The child is running (never waits for the database)."""
         ...
 
-    def finished(
-        self,
-        outcome: str,
-        exit_code: int,
-        signal: str | None,
-        duration: float,
-        *,
-        defer_alerts: bool = False,
-    ) -> None:
-        """The child is done; ``defer_alerts`` keeps the alert hook for ``flush``.
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
+        """The child is done (or never started); its alert hook waits for ``flush``.
 
         Called while the lock is still held, so the next run never takes us for a dead one.
         """
@@ -124,7 +116,7 @@ class HistoryListener(Listener):
 
     def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
         """The end row; the alert hook waits for the release."""
-        self._recorder.finished(outcome, exit_code, signal, duration, defer_alerts=True)
+        self._recorder.finished(outcome, exit_code, signal, duration)
 
     def released(self, status: int) -> None:
         """The alert hook, now that a slow one holds no lock."""

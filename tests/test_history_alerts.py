@@ -244,11 +244,11 @@ class TestFailureStreak:
         assert [line["count"] for line in captured.events("failure_streak")] == [3]
 
     def test_deferred_alert_waits_for_flush(self, make_recorder, captured, tmp_path):
-        """finished(defer_alerts=True) logs at once but runs the hook only on flush()."""
+        """finished() logs at once but runs the hook only on flush(), after the release."""
         calls = tmp_path / "calls"
         config = history_config(alert_after=1, on_alert=hook(calls))
-        recorder = make_recorder(config=config)
-        recorder.finished("failed", 1, None, 1.0, defer_alerts=True)
+        recorder = make_recorder(config=config).recorder
+        recorder.finished("failed", 1, None, 1.0)
         assert len(captured.events("failure_streak")) == 1
         assert hook_calls(calls) == []
         recorder.flush()

@@ -134,15 +134,7 @@ class NoHistory:
     def started(self, child_pid: int | None) -> None:
         """Nothing to record."""
 
-    def finished(
-        self,
-        outcome: str,
-        exit_code: int,
-        signal: str | None,  # noqa: ARG002 - the Recorder's interface
-        duration: float,
-        *,
-        defer_alerts: bool = False,  # noqa: ARG002 - the Recorder's interface
-    ) -> None:
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:  # noqa: ARG002 - the Recorder's interface
         """Write the metrics (streaks counted on from the file's previous values)."""
         if self.notifier is not None:
             self.notifier.metrics(outcome, exit_code, duration)

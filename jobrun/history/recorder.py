@@ -184,20 +184,12 @@ class Recorder:
         """Remember the child's pid for the end of the run (the running row already exists)."""
         self._child_pid = child_pid
 
-    def finished(
-        self,
-        outcome: str,
-        exit_code: int,
-        signal: str | None,
-        duration: float,
-        *,
-        defer_alerts: bool = False,
-    ) -> None:
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
         """Record how the run ended, prune, raise or end a failure-streak alert, write metrics.
 
         Call it before the lock is released: until then our row says ``running``, and the
-        next run would take us for a dead one. ``defer_alerts`` keeps the alert hook (it
-        may take up to ``alert_timeout``) for ``flush()``, to be called after the release.
+        next run would take us for a dead one. The alert hook (it may take up to
+        ``alert_timeout``) waits for ``flush()``, called after the release.
         """
         params = {
             **self._row,
@@ -258,14 +250,13 @@ class Recorder:
                 "exit_code": exit_code,
                 "signal": signal,
             }
-            self.notifier.alert("failure_streak", fields, defer=defer_alerts)
+            self.notifier.alert("failure_streak", fields, defer=True)
         if row["recovered_count"]:
             self._recovered(
                 "failure_streak",
                 row["recovered_count"],
                 row["recovered_since"],
                 row["finished_at"],
-                defer=defer_alerts,
             )
 
     def skipped(self, reason: str, holder_fields: Mapping[str, object], exit_code: int) -> None:
@@ -318,8 +309,6 @@ class Recorder:
         count: int,
         since: dt.datetime | None,
         ended: dt.datetime | None,
-        *,
-        defer: bool = True,
     ) -> None:
         """A streak that alerted is over: say so once, with how long it lasted."""
         lasted = (ended - since).total_seconds() if ended and since else None
@@ -329,7 +318,7 @@ class Recorder:
             "since": iso(since),
             "duration": None if lasted is None else round(lasted, 3),
         }
-        self.notifier.alert("recovered", fields, defer=defer)
+        self.notifier.alert("recovered", fields, defer=True)
 
     def _streak(self, row: Mapping[str, Any]) -> dict[str, object]:
         """A streak alert's common fields: how long the streak is, since when, the threshold."""

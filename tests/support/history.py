@@ -92,6 +92,16 @@ class Run:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.recorder, name)
 
+    def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
+        """End the run as a run does: its end row, then (after the release) its alert hooks."""
+        self.recorder.finished(outcome, exit_code, signal, duration)
+        self.recorder.flush()
+
+    def exec_failed(self, exit_code: int) -> None:
+        """The command could not be started, as a run records it (hooks after the release)."""
+        self.recorder.exec_failed(exit_code)
+        self.recorder.flush()
+
     def running(self, child_pid: int = 1) -> None:
         """Take the lock as a run does: acquired() writes the running row, then the child."""
         self.recorder.acquired(None)
