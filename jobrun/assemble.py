@@ -305,7 +305,7 @@ def _pause_check(
         found = checker.run(
             "checking for a pause",
             (sql.PAUSES_IN_FORCE,),
-            {"pause_keys": recorder.pause_keys(settings.run_keys)},
+            {"pause_keys": keys.names(settings.run_keys)},
         )
         return recorder.pause_fields(found[0][0]) if found and found[0] else None
 

@@ -185,3 +185,11 @@ def resolve(names: tuple[str, ...], lock_ids: tuple[str, ...]) -> tuple[Key, ...
 def describe(keys: tuple[Key, ...]) -> str:
     """Labels joined with commas, in locking order: the ``key`` field of every log line."""
     return ",".join(key.label for key in keys)
+
+
+def names(keys: tuple[Key, ...]) -> list[str]:
+    """What ``jobrun stop`` or ``pause`` may name to reach a run of ``keys``.
+
+    The run's label, and each key's own: a pause of one key holds every run that takes it.
+    """
+    return list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))

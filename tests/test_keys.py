@@ -173,6 +173,13 @@ class TestLabels:
         """A label names the same run whichever order its parts are written in."""
         assert keys.normalized_label(written) == recorded
 
+    def test_an_operator_reaches_a_run_by_its_label_or_any_of_its_keys(self):
+        """`stop` and `pause` may name the run's label or one key's: each once, label first."""
+        first, second = sorted(("x", "y"), key=keys.lock_id_for)
+        run_keys = keys.resolve((second, first), ())
+        assert keys.names(run_keys) == [f"{first},{second}", first, second]
+        assert keys.names(keys.resolve(("x",), ())) == ["x"]
+
     def test_status_finds_a_multi_key_run_in_any_order(self, dsn, key):
         """`status 'b,a'` shows the run of --key a --key b, not an empty row."""
         first, second = sorted((f"{key}-1", f"{key}-2"), key=keys.lock_id_for)

@@ -13,7 +13,7 @@ from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import Calls
 from jobrun.history.config import FAILURES, holder_ref, iso, pause
 from jobrun.history.notify import Notifier
-from jobrun.keys import Key, describe
+from jobrun.keys import Key, describe, names
 
 if TYPE_CHECKING:
     import datetime as dt
@@ -87,7 +87,7 @@ class Recorder:
             "alert_after": config.alert_after,
             "repeat": config.alert_repeat,
             # A pause of the run's label, or of any of its key names, skips it.
-            "pause_keys": pause_keys(keys),
+            "pause_keys": names(keys),
             "expect_every": config.expect_every,
             "expect_grace": config.expect_grace,
         }
@@ -339,11 +339,6 @@ class Recorder:
 
 def _json_dumps(value: object) -> str:
     return json.dumps(value, default=str)
-
-
-def pause_keys(keys: tuple[Key, ...]) -> list[str]:
-    """The labels a pause may name to skip a run of ``keys``: its label and each key's."""
-    return list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
 
 
 def pause_fields(row: Mapping[str, object]) -> dict[str, object]:

@@ -13,7 +13,7 @@ from psycopg import errors
 from jobrun import db, sql
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
-from jobrun.keys import Key, describe
+from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 from jobrun.session import SILENCE_GRACE
@@ -154,9 +154,10 @@ class LeaseLock:
         self._renew_every = renew_every
         #: When the acquisition was sent (the first renewal, in effect): ``Taken.confirmed_at``.
         self.confirmed_at = 0.0
-        #: When the last successful renewal and heartbeat were sent (0: none since then).
-        self._renewed_sent = 0.0
-        self._beat_sent = 0.0
+        #: When the last successful renewal and heartbeat were sent (-inf: none yet; not 0,
+        #: which is a time like any other on the monotonic clock, whose origin is unspecified).
+        self._renewed_sent = -math.inf
+        self._beat_sent = -math.inf
         self._app_name = session.app_name
         self._held = False
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
@@ -168,7 +169,7 @@ class LeaseLock:
             "pid": identity.pid,
             "ttl": ttl,
             # A stop request counts only if it names one of these (the label or a key's).
-            "stop_keys": list(dict.fromkeys([describe(keys), *(key.label for key in keys)])),
+            "stop_keys": names(keys),
         }
 
     @property

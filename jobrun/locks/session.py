@@ -12,7 +12,7 @@ from psycopg import errors
 
 from jobrun import db, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
-from jobrun.keys import Key, describe
+from jobrun.keys import Key, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.holders import (
     announcement,
@@ -89,7 +89,7 @@ class SessionLock:
         self._app_name = session.app_name
         self._run_id = identity.run_id
         #: A stop request counts only if it names one of these (the label or a key's).
-        self._stop_keys = list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
+        self._stop_keys = names(keys)
         self._stop_probe = StopProbe(log, lambda exc: db.one_line(exc, self._target))
         #: ``--fence``: take the token in the acquisition's message (``fence_token``).
         self.fence = fence
