@@ -848,11 +848,12 @@ class TestMinHold:
 
     def test_hold_ends_at_min_hold_after_the_start(self, dsn, key):
         """Without interruption the run ends once min-hold has passed since the start."""
-        result = jobrun_cli.run("--key", key, "--min-hold", "1s", "--", "true", dsn=dsn)
+        min_hold = 3.0  # far beyond what `true` takes, even on a loaded machine
+        result = jobrun_cli.run("--key", key, "--min-hold", f"{min_hold}s", "--", "true", dsn=dsn)
         assert result.returncode == 0
         started, finished = event(result.stderr, "started"), event(result.stderr, "finished")
-        assert event(result.stderr, "holding")["seconds"] <= 1.0
-        assert finished["duration"] < 1.0  # the child's own duration, not the hold
+        assert event(result.stderr, "holding")["seconds"] <= min_hold
+        assert finished["duration"] < min_hold  # the child's own duration, not the hold
         assert started["run_id"] == finished["run_id"]
 
 
