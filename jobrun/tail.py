@@ -8,7 +8,7 @@ import os
 import re
 import select
 import threading
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from jobrun import threads
@@ -83,6 +83,7 @@ class Ring:
         return bytes(self._buf)
 
 
+@dataclass(eq=False)
 class Capture:
     """Pipes for the child's stdout and stderr, a thread copying them to ours, and two rings.
 
@@ -93,36 +94,33 @@ class Capture:
     its next write then fails (EPIPE / SIGPIPE). jobrun never waits for such a process.
     """
 
-    def __init__(
-        self,
-        size: int,
-        *,
-        grace: float = DRAIN_GRACE,
-        targets: tuple[int, int] = (STDOUT, STDERR),
-        masker: Masker | None = None,
-    ) -> None:
-        self.size = size
-        self._masker = masker
-        #: The tails went into the history row with the run's end (not to be stored again).
-        self.stored = False
-        self.grace = grace
-        self._targets = targets
-        self._rings = (Ring(size), Ring(size))
-        self._read: list[int] = []
-        self._write: list[int] = []
-        self._stop_r, self._stop_w = -1, -1
-        self._thread: threading.Thread | None = None
-        self._mutex = threading.Lock()
-        #: Whether a child ran with these pipes (its tails mean something).
-        self.used = False
-        #: False when the pipes were closed before their end (see the class's warning).
-        self.complete = True
-        #: Why copying to our own stdout / stderr stopped, if it did (e.g. EPIPE).
-        self.forward_errors: dict[int, str] = {}
+    size: int
+    _: KW_ONLY
+    grace: float = DRAIN_GRACE
+    #: Where the copies go: our own stdout and stderr.
+    targets: tuple[int, int] = (STDOUT, STDERR)
+    masker: Masker | None = None
+    #: The tails went into the history row with the run's end (not to be stored again).
+    stored: bool = field(default=False, init=False)
+    #: Whether a child ran with these pipes (its tails mean something).
+    used: bool = field(default=False, init=False)
+    #: False when the pipes were closed before their end (see the class's warning).
+    complete: bool = field(default=True, init=False)
+    #: Why copying to our own stdout / stderr stopped, if it did (e.g. EPIPE).
+    forward_errors: dict[int, str] = field(default_factory=dict, init=False)
+    _read: list[int] = field(default_factory=list, init=False)
+    _write: list[int] = field(default_factory=list, init=False)
+    _stop_r: int = field(default=-1, init=False)
+    _stop_w: int = field(default=-1, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _mutex: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self._rings = (Ring(self.size), Ring(self.size))
 
     def child_fds(self) -> tuple[int, int]:
         """Open the pipes; the write ends, for the child's stdout and stderr."""
-        for _ in self._targets:
+        for _ in self.targets:
             read_end, write_end = os.pipe()
             self._read.append(read_end)
             self._write.append(write_end)
@@ -186,7 +184,7 @@ class Capture:
         with self._mutex:
             ring = self._rings[index]
             data, cut = ring.value(), ring.total > ring.size
-        return data if self._masker is None else self._masker.data(data, cut=cut)
+        return data if self.masker is None else self.masker.data(data, cut=cut)
 
     def _close_write_ends(self) -> None:
         for fd in self._write:
@@ -218,7 +216,7 @@ class Capture:
                 self._forward(index, data)
 
     def _forward(self, index: int, data: bytes) -> None:
-        target = self._targets[index]
+        target = self.targets[index]
         if target in self.forward_errors:
             return
         view = memoryview(data)
