@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -47,7 +47,7 @@ def named(dsn: str) -> bool:
 class Place:
     """The database the demo runs in, and whether it is the demo's own throwaway one."""
 
-    dsn: str
+    dsn: str = field(repr=False)  # it may hold the password
     throwaway: bool
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 class Options:
     """The operators' options of a run, checked."""
 
-    ping_url: str | None
+    #: Never in the repr: it may carry credentials.
+    ping_url: str | None = field(repr=False)
     ping_timeout: float
     #: Bytes of each stream's tail to keep (0: none).
     keep_output: int

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jobrun import supervise
@@ -85,7 +85,7 @@ class _GuardedRun:
     lock: Lock
     session: ServerSession
     identity: Identity
-    environ: Mapping[str, str]
+    environ: Mapping[str, str] = field(repr=False)  # the job's secrets are in it
     log: FilteringBoundLogger
     history: Recorder
     listeners: Listeners

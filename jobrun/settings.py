@@ -22,14 +22,19 @@ OPTION = "jobrun.option"
 SESSION_HEARTBEAT = 1.0
 
 
-def declared(declaration: Option) -> Any:
-    """A field of Settings read from ``declaration`` (its default is the option's)."""
-    return dataclasses.field(metadata={OPTION: declaration})
+def declared(declaration: Option, *, secret: bool = False) -> Any:
+    """A field of Settings read from ``declaration`` (its default is the option's).
+
+    ``secret``: a value that may carry a password or token, never shown in the repr.
+    """
+    return dataclasses.field(metadata={OPTION: declaration}, repr=not secret)
 
 
-def option(flag: str, kind: click.ParamType[Any] | None = None, **spec: Any) -> Any:
+def option(
+    flag: str, kind: click.ParamType[Any] | None = None, *, secret: bool = False, **spec: Any
+) -> Any:
     """A field of Settings read from a run option declared here: see Option."""
-    return declared(Option(flag, kind, **spec))
+    return declared(Option(flag, kind, **spec), secret=secret)
 
 
 #: The run's keys (Settings.run_keys): they name one thing, so a flag wins over both
@@ -68,7 +73,7 @@ class Settings:
     #: lease: how long a renewal vouches for the lease (session: unused).
     lifetime: float
 
-    dsn: str = declared(options.dsn)
+    dsn: str = declared(options.dsn, secret=True)
     connect_timeout: float = declared(options.connect_timeout)
     mode: str = declared(
         options.mode(
@@ -179,6 +184,7 @@ class Settings:
     )
     ping: str | None = option(
         "--ping",
+        secret=True,
         metavar="URL",
         help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip.",
     )

@@ -14,10 +14,16 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
+import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jobrun import db, log, masking, tail
+from jobrun.cli import cli
+from jobrun.history.config import HistoryConfig
+from jobrun.history.notify import Notifier
+from jobrun.locks import Identity
+from jobrun.settings import Settings
 from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
@@ -117,6 +123,41 @@ class TestDsnErrors:
         assert result.returncode == 64
         assert "hunter2" not in result.stderr
         assert "connection string" in result.stderr
+
+
+class TestReprs:
+    """An object's repr (a debugger, a traceback that shows locals) never shows a secret."""
+
+    def test_a_target_hides_its_dsn(self):
+        """The DSN may hold the password: a Target's repr leaves it out."""
+        target = db.Target(dsn="postgresql://app:hunter2@db.internal/jobs", connect_timeout=3)
+        assert "hunter2" not in repr(target)
+        assert "connect_timeout=3" in repr(target)
+
+    def test_a_runs_settings_hide_the_dsn_and_the_ping_url(self):
+        """--dsn and --ping may carry credentials: the settings' repr shows neither."""
+        argv = ["--key", "k", "--dsn", "postgresql://app:hunter2@db/jobs",
+                "--ping", "https://hc.example/ping/tok-123"]  # fmt: skip
+        context = cli.make_context("jobrun", argv, resilient_parsing=True)
+        settings = Settings.from_params(context.params, run_keys=(), dsn_on_command_line=True)
+        shown = repr(settings)
+        assert "hunter2" not in shown
+        assert "tok-123" not in shown
+        assert "mode='session'" in shown
+
+    def test_a_notifier_hides_the_hook_environment_and_the_secrets(self):
+        """The alert hook's environment and the run's secrets stay out of its repr."""
+        notifier = Notifier(
+            "backup", [1], Identity(run_id="r", pid=1), mode="session",
+            config=HistoryConfig(keep=10, alert_after=3, alert_repeat=3600.0, on_alert=None,
+                                 metrics_file=None, expect_every=None, expect_grace=None,
+                                 timeout=5.0),
+            log=structlog.get_logger(), environ={"API_TOKEN": "tok-123"}, secrets=("hunter2",),
+        )  # fmt: skip
+        shown = repr(notifier)
+        assert "tok-123" not in shown
+        assert "hunter2" not in shown
+        assert "backup" in shown
 
 
 SECRET = st.text(

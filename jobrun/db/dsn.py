@@ -40,7 +40,8 @@ def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
 class Target:
     """Where and how to connect: a DSN (or libpq defaults) plus jobrun's session settings."""
 
-    dsn: str = ""
+    #: Never in the repr: it may hold the password.
+    dsn: str = field(default="", repr=False)
     connect_timeout: float = 10.0
     #: Seconds of unacknowledged sends after which the kernel drops the connection.
     tcp_user_timeout: float = 10.0

@@ -27,8 +27,9 @@ class Notifier:
     mode: str
     config: HistoryConfig
     log: FilteringBoundLogger
-    environ: Mapping[str, str] | None = None
-    secrets: tuple[str, ...] = ()
+    #: The hook's environment and what it must never show: never in the repr.
+    environ: Mapping[str, str] | None = field(default=None, repr=False)
+    secrets: tuple[str, ...] = field(default=(), repr=False)
     #: --keep-output: the alert hook's event carries the output tails.
     output: Capture | None = None
     _started: float = field(default_factory=time.time, init=False)

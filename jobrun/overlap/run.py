@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -220,7 +220,7 @@ class _Context:
 
     plan: Plan
     conn: psycopg.Connection[tuple[object, ...]]
-    environ: Mapping[str, str]
+    environ: Mapping[str, str] = field(repr=False)  # the jobs' secrets are in it
     interrupts: Interrupts
     #: idle_in_transaction_session_timeout in seconds (0: off): it ends a job held too long.
     idle_timeout: float
