@@ -76,13 +76,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
 
 @click.command("history", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_label", metavar="KEY")
-@click.option(
-    "--limit",
-    type=click.IntRange(1, 100_000),
-    default=20,
-    show_default=True,
-    help="Show this many runs, newest first.",
-)
+@options.count("--limit", default=20, help_text="Show this many runs, newest first.")
 @click.option(
     "--overlapping",
     "other_label",

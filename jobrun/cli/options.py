@@ -295,6 +295,11 @@ def mode(help_text: str) -> Option:
     return lock_mode.but(help=help_text)
 
 
+def count(flag: str, *, default: int, help_text: str) -> Option:
+    """A subcommand's count (``history --limit``, ``overlap --runs``): 1 to 100 000, no variable."""
+    return Option(flag, click.IntRange(1, 100_000), default=default, help=help_text, variable=False)
+
+
 as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 
 #: Reading server and scheduler logs (``deadlocks`` and ``timeline``).

@@ -28,12 +28,8 @@ if TYPE_CHECKING:
     help="Instead of --first/--second: one of several commands (give it 2+ times); every "
     "pair is run against each other in both orders, and a matrix printed.",
 )
-@click.option(
-    "--runs",
-    type=click.IntRange(1, 100_000),
-    default=10,
-    show_default=True,
-    help="Attempts to make (with --job: per pair, at least 2).",
+@options.count(
+    "--runs", default=10, help_text="Attempts to make (with --job: per pair, at least 2)."
 )
 @options.database
 # No variable: JOBRUN_TIMEOUT bounds a run, not an attempt of two commands.

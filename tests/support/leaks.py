@@ -25,9 +25,14 @@ def _leaks_fail_their_own_test() -> Iterator[None]:
     pytest keeps the failure in ``sys.last_value`` (for post-mortem debugging) until the next
     test's call, and its traceback's frames keep the leaked objects alive until then. Those
     references are dropped first (``--pdb`` debugs from pytest's own copy, not from these).
+
+    What survives the collection is frozen (``gc.freeze``): the next test's collection walks
+    only what that test made, not every module, cache and fixture of the session again. A full
+    collection per test cost a quarter of the fast tier's time (60 s against 43 s).
     """
     yield
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         with contextlib.suppress(AttributeError):
             delattr(sys, name)
     gc.collect()
+    gc.freeze()
