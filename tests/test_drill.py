@@ -318,7 +318,10 @@ class TestWhatTheDrillMustCatch:
             "see README" in line
         )
         assert result.returncode == 1
-        assert len(groups) == 2  # the first run and the lock-taken-away run
+        # The first run's group, and the lock-taken-away run's when its shell got as far as
+        # writing its pid: on a loaded machine the lock can be gone, and the group stopped,
+        # before the shell runs its first command.
+        assert 1 <= len(groups) <= 2, groups
         assert survived == [], "the drill left the job's group running"
 
 
