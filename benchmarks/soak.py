@@ -723,6 +723,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--progress", action="store_true", help="a line every 5 s on stderr")
     parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="a new or empty directory for the records, faults and stderr (default: a new "
+        "temp dir, kept and named in the report)",
+    )
+    parser.add_argument(
         "--failover-window",
         type=int,
         metavar="ROUNDS",
@@ -730,6 +736,8 @@ def main() -> int:
     )
     parser.add_argument("--slow-exit", type=float, default=1.0, help="failover-window, seconds")
     args = parser.parse_args()
+    if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
+        parser.error(f"--work-dir {args.work_dir} is not empty (an earlier soak's?)")
     if args.failover_window:
         figures = failover_window(args)
         print(json.dumps(figures, indent=2))
@@ -751,7 +759,8 @@ def main() -> int:
             " the jobruns inherit that; run the soak in the foreground (tmux or screen if long)",
             file=sys.stderr,
         )
-    work = Path(tempfile.mkdtemp(prefix="jobrun-soak-"))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="jobrun-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     cluster = Cluster(failover=args.failover, settings={"max_connections": "200"})
     try:

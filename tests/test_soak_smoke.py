@@ -29,7 +29,8 @@ def test_a_short_soak_has_no_overlap_orphan_or_internal_error(tmp_path):
     figures_path = tmp_path / "soak.json"
     soak = subprocess.run(
         [sys.executable, str(SOAK), "--duration", "30s", "--failover", "--workers", "4",
-         "--fault-interval", "0.5", "--seed", "1", "--json", str(figures_path)],
+         "--fault-interval", "0.5", "--seed", "1", "--json", str(figures_path),
+         "--work-dir", str(tmp_path / "work")],
         capture_output=True,
         text=True,
         timeout=540,
