@@ -79,14 +79,23 @@ def holder_of(conn: Connection, label: str) -> Holder | None:
 
 
 def holder_among(
-    label: str, lease: Sequence[Any] | None, session: Sequence[Any] | None
+    label: str,
+    lease: Sequence[Any] | None,
+    session: Sequence[Any] | None,
+    *,
+    initialised: bool = False,
 ) -> Holder | None:
-    """The holder of ``label`` from the rows of STOP_LEASE_HOLDER and SESSION_HOLDER_OF_ANY.
+    """The holder of ``label`` from the rows of STOP_LEASE_HOLDER and STOP_SESSION_HOLDER.
 
-    (For a caller that read both in one message with what else it needed.)
+    (For a caller that read both in one message with what else it needed.) ``initialised``:
+    ``jobrun init`` ran, so a history row claims only its own key's lock ids, and the run it
+    records on a session's lock may stand in for the run id the session hides (see
+    _session_holder). Before that, whoever may write the history could claim any lock.
     """
     if lease is not None:
         return _lease_holder(label, lease)
+    if session is not None and not initialised:
+        session = session[:_ANNOUNCED]
     return _session_holder(label, session)
 
 

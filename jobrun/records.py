@@ -126,10 +126,11 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
         require_recorded(conn, label, need="control")
         return control.holder_of(conn, label), None
     _refuse_unless_granted(granted, label, "control")
-    holder = control.holder_among(label, _first(lease), _first(session))
+    initialised = bool(labelled and labelled[0][0])
+    holder = control.holder_among(label, _first(lease), _first(session), initialised=initialised)
     if holder is None and not (recorded and recorded[0][0]):
         raise NeverRecorded(label)
-    return holder, bool(labelled and labelled[0][0])
+    return holder, initialised
 
 
 def resume_if_recorded(conn: Connection, label: str) -> bool:
