@@ -59,7 +59,7 @@ def _sql(dsn: str, statement: str, params=None) -> str | None:
 class TestAttacksOfAnotherTeam:
     """team_b replays every known attack on team_a's key: each fails or is harmless."""
 
-    def test_deleting_every_lease_leaves_team_aalone(self, teams, tmp_path):
+    def test_deleting_every_lease_leaves_team_a_alone(self, teams, tmp_path):
         """DELETE FROM jobrun.leases deletes none of team_a's: its next run still skips."""
         proc = victim(teams, "lease", tmp_path / "child")
         try:

@@ -201,8 +201,8 @@ def _unaddressable(holder: Holder) -> str:
     if name.startswith("jobrun:"):
         return (
             f"a jobrun session of another role (backend pid {holder.backend_pid}, "
-            f"application_name {name}) whose run id this role cannot see: grant it "
-            "pg_read_all_stats, or run stop as that role"
+            f"application_name {name}) whose run id this role cannot see, nor the history "
+            "records: grant it pg_read_all_stats, or run stop as that role"
         )
     return (
         f"a session that is not a jobrun run (backend pid {holder.backend_pid}): "
