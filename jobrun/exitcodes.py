@@ -125,6 +125,9 @@ class UsageError(JobrunError):
 #: The server could not prove who it is, or would not encrypt when asked to (a certificate,
 #: a host name, TLS itself): no outage, so never a reason to run a child unguarded.
 TLS = "tls"
+#: After ``jobrun init``, the role was not granted the key: the database said no, which is
+#: no outage either.
+NOT_GRANTED = "not_granted"
 
 
 class LockStoreUnavailable(JobrunError):
@@ -144,7 +147,16 @@ class LockStoreUnavailable(JobrunError):
         WARNING: whoever can stand between us and the server (a spoofed address, a proxy
         with the wrong certificate) could otherwise have every job run unguarded at will.
         """
-        return self.reason == TLS
+        return self.reason in {TLS, NOT_GRANTED}
+
+
+def not_granted(role: str, label: str) -> LockStoreUnavailable:
+    """The refusal of a run of ``label`` by ``role``, which ``jobrun init``'s grants forbid."""
+    return LockStoreUnavailable(
+        f"role {role!r} is not granted key {label!r} on this database (jobrun init guards "
+        f"it): the database owner can run jobrun grant {role} --keys {label}",
+        reason=NOT_GRANTED,
+    )
 
 
 class LockLost(JobrunError):

@@ -62,7 +62,7 @@ SELECT (SELECT count(*) FROM renewed),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
             WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
-"""  # noqa: S608 - composed of this package's constants only
+"""
 
 #: Lease mode's heartbeat when no renewal is due (LEASE_HELD: the leases still ours) and a
 #: stop request for this run naming one of its keys, in one statement.
@@ -71,7 +71,7 @@ SELECT ({LEASE_HELD}),
        (SELECT row_to_json(s)::text FROM (
             SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
             WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
-"""  # noqa: S608 - composed of this package's constants only
+"""
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
 #: ``username`` is the database role (session_user: the server's word; after ``jobrun init``
