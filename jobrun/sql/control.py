@@ -54,23 +54,27 @@ SELECT (SELECT count(*) FROM pg_locks
             WHERE run_id = %(run_id)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
 """
 
+#: The stop request for this run naming one of its keys (as above), as one JSON text, for
+#: lease mode's heartbeat: qualified like lease mode's own statements (sql.lease), which
+#: may reach the server through a transaction pooler.
+_STOP_REQUEST_OF_LEASE = """
+(SELECT pg_catalog.row_to_json(s)::pg_catalog.text FROM (
+    SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
+    WHERE run_id OPERATOR(pg_catalog.=) %(owner)s::pg_catalog.uuid
+      AND key OPERATOR(pg_catalog.=) ANY(%(stop_keys)s::pg_catalog.text[])) AS s)
+"""
+
 #: Lease mode's renewal (LEASE_RENEW itself, so the two cannot drift apart) and a stop
-#: request for this run naming one of its keys (as above), in one statement.
+#: request for this run, in one statement.
 LEASE_RENEW_OR_STOP = f"""
 WITH renewed AS ({LEASE_RENEW})
-SELECT (SELECT count(*) FROM renewed),
-       (SELECT row_to_json(s)::text FROM (
-            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
+SELECT (SELECT pg_catalog.count(*) FROM renewed), {_STOP_REQUEST_OF_LEASE}
 """
 
 #: Lease mode's heartbeat when no renewal is due (LEASE_HELD: the leases still ours) and a
-#: stop request for this run naming one of its keys, in one statement.
+#: stop request for this run, in one statement.
 LEASE_HELD_OR_STOP = f"""
-SELECT ({LEASE_HELD}),
-       (SELECT row_to_json(s)::text FROM (
-            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
+SELECT ({LEASE_HELD}), {_STOP_REQUEST_OF_LEASE}
 """
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
