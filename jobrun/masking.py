@@ -137,13 +137,69 @@ def named_secrets(
     return tuple(found)
 
 
+#: Every form of each password this process connected with (see ``learn``), for every
+#: mask_text: the kept tails, the pings, the alert hook's input and jobrun's own lines.
+_learned: tuple[str, ...] = ()
+#: The (user, password) pairs already learned: a reconnect costs one lookup.
+_seen: set[tuple[str, str]] = set()
+
+
+def learn(password: str | None, user: str | None = None) -> None:
+    """Mask ``password`` (as the connection's ``user`` sent it) from now on, in this process.
+
+    Called with the password libpq used for a connection (PQpass): the DSN's, PGPASSWORD,
+    a service file's or one from the password file, whichever it took. Nothing is kept
+    before the run's first connection, so every tail is masked with it.
+    """
+    global _learned  # noqa: PLW0603 - one run per process: its passwords are the process's
+    if not password or (user or "", password) in _seen:
+        return
+    _seen.add((user or "", password))
+    _learned = tuple(dict.fromkeys((*_learned, *password_forms(password, user or ""))))
+
+
+def learned() -> tuple[str, ...]:
+    """Every form of the passwords ``learn`` was told of (empty until a connection is made)."""
+    return _learned
+
+
+def password_forms(password: str, user: str = "") -> tuple[str, ...]:
+    """A password as a job may print it: as is, URL-encoded, and in base64.
+
+    Base64 of the password alone and of ``user:password`` (an HTTP ``Basic`` header), with
+    and without its ``=`` padding, in the standard and the URL-safe alphabet. Only these
+    standalone encodings: inside a longer base64 text the password's encoding depends on
+    where it starts, and is not masked.
+    """
+    if not password:
+        return ()
+    # binascii, not base64: a C module, nothing more for the run path to import.
+    import binascii  # noqa: PLC0415 - only once a password is known
+
+    found = list(forms(password))
+    for plain in (password, f"{user}:{password}" if user else ""):
+        if not plain:
+            continue
+        encoded = binascii.b2a_base64(plain.encode("utf-8", "surrogateescape"), newline=False)
+        for variant in (encoded, encoded.translate(_URLSAFE)):
+            text = variant.decode("ascii")
+            found += [text, text.rstrip("=")]
+    return tuple(dict.fromkeys(found))
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
 def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``."""
+    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``.
+
+    So are the passwords this process connected with (``learn``), wherever text is masked.
+    """
     if "://" in text:
         text = re.sub(_MASK_URI, r"\1***@", text)
     if "=" in text:
         text = re.sub(_MASK_KEYWORD, r"\1***", text)
-    return mask_secrets(text, secrets)
+    return mask_secrets(text, (*secrets, *_learned) if _learned else secrets)
 
 
 class Masker:
@@ -172,7 +228,7 @@ class Masker:
 
     def _mask_leading_part(self, text: str) -> str:
         longest = 0
-        for secret in self.secrets:
+        for secret in (*self.secrets, *_learned):
             for start in range(1, len(secret)):
                 tail = secret[start:]
                 if len(tail) > longest and text.startswith(tail):
