@@ -190,6 +190,71 @@ def password_forms(password: str, user: str = "") -> tuple[str, ...]:
 _URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
+def password_file_secrets(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Every password of the password file libpq reads (PGPASSFILE, else ~/.pgpass), in every form.
+
+    All of its lines, not only the one this run's connection matches: a run whose database
+    is down never learns which one libpq took (its child may still run, with
+    ``--on-db-error run``), and a job may connect elsewhere with another line. Read only
+    when libpq would read it: a plain file that neither group nor others may access.
+    """
+    import os  # noqa: PLC0415 - loaded by the interpreter already
+    import stat  # noqa: PLC0415 - loaded with os
+    from pathlib import Path  # noqa: PLC0415 - only runs that keep output or alert
+
+    named = environ.get("PGPASSFILE")
+    path = Path(named) if named else Path(environ.get("HOME") or "~") / ".pgpass"
+    try:
+        # WARNING: O_NONBLOCK, or a FIFO planted there holds the run up; the checks are
+        # made on what was opened, not on the name (which may change in between).
+        fd = os.open(path.expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ()
+    with os.fdopen(fd, "rb") as file:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
+            return ()
+        text = file.read(_PASSWORD_FILE_LIMIT).decode("utf-8", "surrogateescape")
+    found: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        fields = _password_file_fields(line)
+        if len(fields) == 5:  # noqa: PLR2004 - host:port:database:user:password
+            user = fields[3] if fields[3] != "*" else ""
+            found += password_forms(fields[4], user)
+    return tuple(dict.fromkeys(found))
+
+
+#: A password file is a few lines; more than this is not one libpq users write by hand.
+_PASSWORD_FILE_LIMIT = 1024 * 1024
+
+
+def _password_file_fields(line: str) -> list[str]:
+    """A password file's line as libpq splits it: ``:`` ends a field, ``\\`` escapes one character.
+
+    The password is the fifth field, up to the next unescaped ``:`` (libpq ignores the rest).
+    """
+    fields, current, escaped = [], [], False
+    for char in line:
+        if escaped:
+            current.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == ":":
+            fields.append("".join(current))
+            current = []
+            if len(fields) == 5:  # noqa: PLR2004 - the password ended
+                return fields
+        else:
+            current.append(char)
+    if escaped:  # a backslash at the end stands for itself
+        current.append("\\")
+    fields.append("".join(current))
+    return fields
+
+
 def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``.
 

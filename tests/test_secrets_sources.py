@@ -57,8 +57,12 @@ def pgpass_line(dsn: str, password: str) -> str:
     """The password file's line for ``dsn``'s host, port, database and user."""
     params = conninfo_to_dict(dsn)
     fields = [str(params[name]) for name in ("host", "port", "dbname", "user")]
-    escaped = password.replace("\\", "\\\\").replace(":", "\\:")
-    return ":".join([*fields, escaped]) + "\n"
+    return ":".join([*fields, escaped(password)]) + "\n"
+
+
+def escaped(field: str) -> str:
+    """A password file's field with ``\\`` and ``:`` escaped, as libpq reads it."""
+    return field.replace("\\", "\\\\").replace(":", "\\:")
 
 
 def write_private(path: Path, text: str) -> Path:
@@ -164,6 +168,31 @@ class TestPasswordFile:
         """A 12-byte window that starts halfway through the password: no piece of it left."""
         run_id = job.fails_printing("x" * 40 + PASSWORD, options=("--keep-output", "12"))
         assert stderr_kept(job.owner_dsn, run_id) == b"***\n"
+
+
+class TestOtherLines:
+    """The password file's other lines hold secrets too: a job may connect with any of them."""
+
+    def test_the_password_of_another_line_is_masked(self, job):
+        """A second line (another host, database and user): its password printed is ***."""
+        other = "Warehouse-Pw:81/x"
+        with job.pgpass.open("a") as file:
+            file.write(f"warehouse.internal:5432:dw:etl:{escaped(other)}\n")
+        run_id = job.fails_printing(f"dw login {other} failed", options=("--keep-output", "4KiB"))
+        assert stderr_kept(job.owner_dsn, run_id) == b"dw login *** failed\n"
+
+    def test_with_the_database_down_the_password_is_still_masked(self, tmp_path, monitor):
+        """No connection (the child runs anyway, --on-db-error run): the end ping says ***."""
+        pgpass = write_private(tmp_path / "pgpass", f"*:*:*:*:{escaped(PASSWORD)}\n")
+        ran = run(
+            *("--key", "sources-down", "--on-db-error", "run", "--keep-output", "4KiB"),
+            *("--ping", monitor.url, "--", sys.executable, "-c", CHILD, PASSWORD),
+            dsn="host=127.0.0.1 port=1 user=u dbname=d",
+            env={"PGPASSFILE": str(pgpass)},
+        )
+        assert ran.returncode == 3, ran.stderr
+        body = monitor.bodies["/ping/sources/3"]
+        assert body.endswith(b"\n***\n"), body
 
 
 class TestEncodings:
