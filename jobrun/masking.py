@@ -158,11 +158,6 @@ def learn(password: str | None, user: str | None = None) -> None:
     _learned = tuple(dict.fromkeys((*_learned, *password_forms(password, user or ""))))
 
 
-def learned() -> tuple[str, ...]:
-    """Every form of the passwords ``learn`` was told of (empty until a connection is made)."""
-    return _learned
-
-
 def password_forms(password: str, user: str = "") -> tuple[str, ...]:
     """A password as a job may print it: as is, URL-encoded, and in base64.
 
@@ -208,13 +203,14 @@ def password_file_secrets(environ: Mapping[str, str]) -> tuple[str, ...]:
         # WARNING: O_NONBLOCK, or a FIFO planted there holds the run up; the checks are
         # made on what was opened, not on the name (which may change in between).
         fd = os.open(path.expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
+                return ()
+            text = file.read(_PASSWORD_FILE_LIMIT).decode("utf-8", "surrogateescape")
     except OSError:
+        # Unreadable: libpq cannot use it either. Never said: its name is all we could say.
         return ()
-    with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
-            return ()
-        text = file.read(_PASSWORD_FILE_LIMIT).decode("utf-8", "surrogateescape")
     found: list[str] = []
     for line in text.splitlines():
         if line.startswith("#"):
