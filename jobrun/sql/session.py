@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+#: The search_path of jobrun's own sessions: PostgreSQL's own objects only. jobrun names
+#: its tables ``jobrun.*``; nothing it sends may resolve to a function or operator another
+#: role created in a schema on the path (a ``public.unnest(bigint[])`` beats pg_catalog's
+#: ``unnest(anyarray)`` by its exact types, wherever pg_catalog sits: CVE-2018-1058).
+#: ``pg_temp`` last: no temporary table or function can shadow a name either.
+SEARCH_PATH = "pg_catalog, pg_temp"
+
 BACKEND_PID = "SELECT pg_backend_pid()"
 
 #: Make the lock session immune to server-side idle timeouts (a role or database setting would
@@ -13,7 +20,12 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 #: half-open connection, and the lock, for over 2 hours); whether the server is a standby
 #: (its advisory locks are its own: shared with nobody else); and the backend that runs our
 #: statements (a pooler announces a backend pid of its own: see db.detect_transaction_pooler).
-SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0; "
+#: The search_path is set here too, at no cost: the start-up options pin it, but a session
+#: pooler may drop them, and a session lock needs the session anyway.
+SESSION_IMMUNE = (
+    "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0; "
+    f"SET search_path = {SEARCH_PATH}; "
+)
 SESSION_IMMUNE_14 = (
     SESSION_IMMUNE + "SET idle_session_timeout = 0; "
     # A --wait for the next key blocks the backend in pg_advisory_lock: without this it
@@ -111,12 +123,6 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
 LIMIT 1
 """
 
-#: The search_path of jobrun's own sessions: PostgreSQL's own objects only. jobrun names
-#: its tables ``jobrun.*``; nothing it sends may resolve to a function or operator another
-#: role created in a schema on the path (a ``public.unnest(bigint[])`` beats pg_catalog's
-#: ``unnest(anyarray)`` by its exact types, wherever pg_catalog sits: CVE-2018-1058).
-#: ``pg_temp`` last: no temporary table or function can shadow a name either.
-SEARCH_PATH = "pg_catalog, pg_temp"
 
 #: Session settings jobrun pins on its own sessions (start-up options, else PIN_SETTINGS).
 PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
