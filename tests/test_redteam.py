@@ -312,3 +312,26 @@ class TestLockIdGrants:
             )
         assert state == "42501"
         _ok(jobrun_cli.run("--key", victim, "--mode", "lease", "--", "true", dsn=tenancy.a))
+
+
+class TestUpgradeInPlace:
+    """``jobrun init`` on a database initialised by an older jobrun replaces its functions."""
+
+    def test_init_again_replaces_an_unqualified_policy_function(self, tenancy, tmp_path):
+        """An old ``allowed()`` with a bare LIKE, then ``jobrun init``: the hijack fails again."""
+        with psycopg.connect(tenancy.owner, autocommit=True) as conn:
+            conn.execute(
+                "CREATE OR REPLACE FUNCTION jobrun.allowed(label text, need text) "
+                "RETURNS boolean LANGUAGE sql STABLE AS $$ SELECT EXISTS ("
+                "SELECT 1 FROM jobrun.grants AS g WHERE label LIKE g.key_like "
+                "AND pg_catalog.pg_has_role(current_user, g.role, 'MEMBER')) $$"
+            )
+        proc = _victim(tenancy, "lease", tmp_path / "child")
+        try:
+            with tenancy.hijacked() as conn:
+                assert conn.execute("SELECT count(*) FROM jobrun.leases").fetchone() == (1,)
+            _ok(jobrun_cli.run("init", dsn=tenancy.owner))
+            with tenancy.hijacked() as conn:
+                assert conn.execute("SELECT count(*) FROM jobrun.leases").fetchone() == (0,)
+        finally:
+            jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
