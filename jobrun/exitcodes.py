@@ -46,7 +46,8 @@ TABLE: tuple[tuple[str, str], ...] = (
             "lock store unavailable or unfit: the child was not started; `reason` says "
             "`unreachable` (nobody answered in `--connect-timeout`), `refused` (auth, role, "
             "database, still full after retrying), `tls` (certificate, host name or no TLS "
-            "where sslmode asks for it; never run unguarded), `not_granted` (after `jobrun "
+            "where sslmode asks for it, `require` over a network unless set; never run "
+            "unguarded), `not_granted` (after `jobrun "
             "init`, the role was not granted the key; never run unguarded), `standby`, "
             "`transaction_pooler`, `history_unavailable` (`--once-per`)"
         ),
