@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -335,3 +336,21 @@ class TestUpgradeInPlace:
                 assert conn.execute("SELECT count(*) FROM jobrun.leases").fetchone() == (0,)
         finally:
             jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
+
+
+class TestSquatterNamed:
+    """``doctor`` names a session outside jobrun that holds a key's lock id."""
+
+    def test_doctor_names_the_squatter_role(self, tenancy, role):
+        """A CONNECT-only role holding a-victim's id: doctor's NOTE names the role and id."""
+        squatter = role(database_dsn=tenancy.owner)
+        with psycopg.connect(squatter, autocommit=True) as conn:
+            conn.execute("SELECT pg_advisory_lock(%s)", (lock_id_for("a-victim"),))
+            result = jobrun_cli.run("doctor", "--json", dsn=tenancy.a)
+        assert result.returncode in {0, 1}, result.stderr
+        found = [
+            f for f in json.loads(result.stdout) if f["check"] == "advisory locks outside jobrun"
+        ]
+        assert len(found) == 1, result.stdout
+        assert Tenancy.role_of(squatter) in found[0]["detail"]
+        assert str(lock_id_for("a-victim")) in found[0]["detail"]

@@ -38,6 +38,7 @@ from jobrun.sql.control import (
 from jobrun.sql.doctor import (
     DOCTOR_ADVISORY,
     DOCTOR_CONNECTIONS,
+    DOCTOR_FOREIGN_ADVISORY,
     DOCTOR_GRANTS,
     DOCTOR_IMMUNE,
     DOCTOR_IMMUNE_END,
@@ -135,6 +136,7 @@ __all__ = [
     "CONTROL_SCHEMA",
     "DOCTOR_ADVISORY",
     "DOCTOR_CONNECTIONS",
+    "DOCTOR_FOREIGN_ADVISORY",
     "DOCTOR_GRANTS",
     "DOCTOR_IMMUNE",
     "DOCTOR_IMMUNE_END",
