@@ -12,6 +12,8 @@ where Python keeps its compiled bytecode as for any installed package.
 WARNING: whoever can write to that directory, or rename one of its parents, chooses the
 code this jobrun runs. It is created 0700, and used only when it and every directory
 above it belong to us or root and no one else can write to them (a sticky /tmp is fine).
+When it is not (another user made ``/tmp/jobrun-<uid>`` first), the run unpacks into a
+new directory of its own (``mkdtemp``, checked the same way) and says so on stderr.
 
 Written for old interpreters too (no syntax newer than 3.6), so that a host whose python3
 is too old gets one line saying so instead of a SyntaxError.
@@ -52,8 +54,8 @@ def native_tag() -> str | None:
     return f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}"
 
 
-def cache_base() -> str:
-    """Where this user's unpacked copies live (created 0700 when missing)."""
+def cache_candidates() -> list[str]:
+    """Where this user's unpacked copies may live, in the order they are tried."""
     candidates = []
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):  # the XDG rule: a relative value is ignored
@@ -64,6 +66,12 @@ def cache_base() -> str:
     tmp = os.environ.get("TMPDIR", "")
     tmp = tmp if os.path.isabs(tmp) else "/tmp"  # noqa: S108 - checked like any other parent
     candidates.append(os.path.join(tmp, f"jobrun-{os.geteuid()}"))
+    return candidates
+
+
+def cache_base() -> str:
+    """Where this user's unpacked copies live (created 0700 when missing)."""
+    candidates = cache_candidates()
     for candidate in candidates:
         try:
             os.makedirs(candidate, mode=0o700, exist_ok=True)
@@ -102,6 +110,41 @@ def check_private(path: str) -> None:
         if parent == os.path.dirname(parent):
             return
         parent = os.path.dirname(parent)
+
+
+def fresh_private(refused: CannotRun, near: str) -> str:
+    """A new directory of this run's own, 0700, for when the usual one cannot be used.
+
+    Next to the refused one (in ``near``), else in the temporary directory; removed when
+    the run ends. Said once on stderr, so that the refused directory gets looked at.
+
+    WARNING: never a predictable name again: whoever made the usual one first could make
+    that one first too. mkdtemp creates a name nobody can guess, 0700, or fails; the
+    directories above it are checked as the usual one's are, so it cannot be swapped.
+    """
+    import atexit  # noqa: PLC0415 - only when the usual directory is refused
+    import contextlib  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    for place in dict.fromkeys([near, tempfile.gettempdir()]):
+        try:
+            fresh = tempfile.mkdtemp(prefix=f"jobrun-{os.geteuid()}-", dir=place)
+        except OSError:
+            continue  # read-only, full, or gone: the next place
+        try:
+            check_private(fresh)
+        except (CannotRun, OSError):
+            with contextlib.suppress(OSError):
+                os.rmdir(fresh)  # empty, as made; never a tree someone may have put there
+            continue
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        sys.stderr.write(
+            printable(f"jobrun: {refused} (this run unpacks into a new private directory, {fresh})")
+            + "\n"
+        )
+        return fresh
+    raise refused
 
 
 def unpack(archive: str, member: str, target: str, *, inner: str | None = None) -> None:
@@ -146,8 +189,16 @@ def prepare(archive: str) -> list[str]:
     if sys.version_info < OLDEST:
         needs = "needs Python {}.{} or later, this is {}"
         raise CannotRun(needs.format(*OLDEST, sys.version.split()[0]))
-    base = cache_base()
-    check_private(base)
+    base = ""
+    fresh = False
+    try:
+        base = cache_base()
+        check_private(base)
+    except CannotRun as refused:
+        # Another user may have made (or may be able to change) the usual directory: it is
+        # not used, and neither does it stop this user's jobs.
+        base = fresh_private(refused, os.path.dirname(base or cache_candidates()[-1]))
+        fresh = True
     home = os.path.join(base, BUILD_ID or "unbuilt")
     if not os.path.isdir(home):
         os.makedirs(home, mode=0o700, exist_ok=True)
@@ -155,9 +206,10 @@ def prepare(archive: str) -> list[str]:
     if not os.path.isdir(lib):
         unpack(archive, "lib.zip", lib)
     compiled = os.path.join(lib, f".compiled-{sys.implementation.cache_tag}")
-    if not os.path.exists(compiled):
+    if not fresh and not os.path.exists(compiled):
         # Bytecode for this Python, once: compiling every module on every run would cost as
-        # much as the run itself. Written even where PYTHONDONTWRITEBYTECODE is set.
+        # much as the run itself. Written even where PYTHONDONTWRITEBYTECODE is set. Not for
+        # a directory of this run alone: only what it imports is compiled, as it goes.
         import compileall  # noqa: PLC0415 - the first run with this Python only
 
         compileall.compile_dir(lib, quiet=2)

@@ -47,12 +47,14 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         except UsageError as exc:
             log_file_error = str(exc)
     # What kept output, pings and the alert hook never carry: the DSN's password and
-    # PGPASSWORD, the ping URL's credentials, variables named like secrets or --mask-env.
+    # PGPASSWORD, the ping URL's credentials, variables named like secrets or --mask-env,
+    # the password file's passwords (and, once connected, the password libpq used).
     # Only runs that keep output or run a hook look through the environment for them.
     hidden = target.secrets
     if settings.keep_output or settings.on_alert:
         named = masking.named_secrets(os.environ, settings.mask_env)
-        hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named)
+        stored = masking.password_file_secrets(os.environ)
+        hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named, *stored)
     logger = log.configure(
         fmt=settings.log_format,
         level=settings.log_level,

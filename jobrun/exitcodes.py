@@ -46,8 +46,10 @@ TABLE: tuple[tuple[str, str], ...] = (
             "lock store unavailable or unfit: the child was not started; `reason` says "
             "`unreachable` (nobody answered in `--connect-timeout`), `refused` (auth, role, "
             "database, still full after retrying), `tls` (certificate, host name or no TLS "
-            "where sslmode asks for it; never run unguarded), `standby`, `transaction_pooler`, "
-            "`history_unavailable` (`--once-per`)"
+            "where sslmode asks for it, `require` over a network unless set; never run "
+            "unguarded), `not_granted` (after `jobrun "
+            "init`, the role was not granted the key; never run unguarded), `standby`, "
+            "`transaction_pooler`, `history_unavailable` (`--once-per`)"
         ),
     ),
     (
@@ -125,6 +127,9 @@ class UsageError(JobrunError):
 #: The server could not prove who it is, or would not encrypt when asked to (a certificate,
 #: a host name, TLS itself): no outage, so never a reason to run a child unguarded.
 TLS = "tls"
+#: After ``jobrun init``, the role was not granted the key: the database said no, which is
+#: no outage either.
+NOT_GRANTED = "not_granted"
 
 
 class LockStoreUnavailable(JobrunError):
@@ -144,7 +149,16 @@ class LockStoreUnavailable(JobrunError):
         WARNING: whoever can stand between us and the server (a spoofed address, a proxy
         with the wrong certificate) could otherwise have every job run unguarded at will.
         """
-        return self.reason == TLS
+        return self.reason in {TLS, NOT_GRANTED}
+
+
+def not_granted(role: str, label: str) -> LockStoreUnavailable:
+    """The refusal of a run of ``label`` by ``role``, which ``jobrun init``'s grants forbid."""
+    return LockStoreUnavailable(
+        f"role {role!r} is not granted key {label!r} on this database (jobrun init guards "
+        f"it): the database owner can run jobrun grant {role} --keys {label}",
+        reason=NOT_GRANTED,
+    )
 
 
 class LockLost(JobrunError):

@@ -137,13 +137,130 @@ def named_secrets(
     return tuple(found)
 
 
+#: Every form of each password this process connected with (see ``learn``), for every
+#: mask_text: the kept tails, the pings, the alert hook's input and jobrun's own lines.
+_learned: tuple[str, ...] = ()
+#: The (user, password) pairs already learned: a reconnect costs one lookup.
+_seen: set[tuple[str, str]] = set()
+
+
+def learn(password: str | None, user: str | None = None) -> None:
+    """Mask ``password`` (as the connection's ``user`` sent it) from now on, in this process.
+
+    Called with the password libpq used for a connection (PQpass): the DSN's, PGPASSWORD,
+    a service file's or one from the password file, whichever it took. Nothing is kept
+    before the run's first connection, so every tail is masked with it.
+    """
+    global _learned  # noqa: PLW0603 - one run per process: its passwords are the process's
+    if not password or (user or "", password) in _seen:
+        return
+    _seen.add((user or "", password))
+    _learned = tuple(dict.fromkeys((*_learned, *password_forms(password, user or ""))))
+
+
+def password_forms(password: str, user: str = "") -> tuple[str, ...]:
+    """A password as a job may print it: as is, URL-encoded, and in base64.
+
+    Base64 of the password alone and of ``user:password`` (an HTTP ``Basic`` header), with
+    and without its ``=`` padding, in the standard and the URL-safe alphabet. Only these
+    standalone encodings: inside a longer base64 text the password's encoding depends on
+    where it starts, and is not masked.
+    """
+    if not password:
+        return ()
+    # binascii, not base64: a C module, nothing more for the run path to import.
+    import binascii  # noqa: PLC0415 - only once a password is known
+
+    found = list(forms(password))
+    for plain in (password, f"{user}:{password}" if user else ""):
+        if not plain:
+            continue
+        encoded = binascii.b2a_base64(plain.encode("utf-8", "surrogateescape"), newline=False)
+        for variant in (encoded, encoded.translate(_URLSAFE)):
+            text = variant.decode("ascii")
+            found += [text, text.rstrip("=")]
+    return tuple(dict.fromkeys(found))
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
+
+
+def password_file_secrets(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Every password of the password file libpq reads (PGPASSFILE, else ~/.pgpass), in every form.
+
+    All of its lines, not only the one this run's connection matches: a run whose database
+    is down never learns which one libpq took (its child may still run, with
+    ``--on-db-error run``), and a job may connect elsewhere with another line. Read only
+    when libpq would read it: a plain file that neither group nor others may access.
+    """
+    import os  # noqa: PLC0415 - loaded by the interpreter already
+    import stat  # noqa: PLC0415 - loaded with os
+    from pathlib import Path  # noqa: PLC0415 - only runs that keep output or alert
+
+    named = environ.get("PGPASSFILE")
+    path = Path(named) if named else Path(environ.get("HOME") or "~") / ".pgpass"
+    try:
+        # WARNING: O_NONBLOCK, or a FIFO planted there holds the run up; the checks are
+        # made on what was opened, not on the name (which may change in between).
+        fd = os.open(path.expanduser(), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as file:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode) or mode & (stat.S_IRWXG | stat.S_IRWXO):
+                return ()
+            text = file.read(_PASSWORD_FILE_LIMIT).decode("utf-8", "surrogateescape")
+    except OSError:
+        # Unreadable: libpq cannot use it either. Never said: its name is all we could say.
+        return ()
+    found: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        fields = _password_file_fields(line)
+        if len(fields) == 5:  # noqa: PLR2004 - host:port:database:user:password
+            user = fields[3] if fields[3] != "*" else ""
+            found += password_forms(fields[4], user)
+    return tuple(dict.fromkeys(found))
+
+
+#: A password file is a few lines; more than this is not one libpq users write by hand.
+_PASSWORD_FILE_LIMIT = 1024 * 1024
+
+
+def _password_file_fields(line: str) -> list[str]:
+    """A password file's line as libpq splits it: ``:`` ends a field, ``\\`` escapes one character.
+
+    The password is the fifth field, up to the next unescaped ``:`` (libpq ignores the rest).
+    """
+    fields, current, escaped = [], [], False
+    for char in line:
+        if escaped:
+            current.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == ":":
+            fields.append("".join(current))
+            current = []
+            if len(fields) == 5:  # noqa: PLR2004 - the password ended
+                return fields
+        else:
+            current.append(char)
+    if escaped:  # a backslash at the end stands for itself
+        current.append("\\")
+    fields.append("".join(current))
+    return fields
+
+
 def mask_text(text: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``."""
+    """``text`` with URI passwords, ``password=`` values and ``secrets`` masked as ``***``.
+
+    So are the passwords this process connected with (``learn``), wherever text is masked.
+    """
     if "://" in text:
         text = re.sub(_MASK_URI, r"\1***@", text)
     if "=" in text:
         text = re.sub(_MASK_KEYWORD, r"\1***", text)
-    return mask_secrets(text, secrets)
+    return mask_secrets(text, (*secrets, *_learned) if _learned else secrets)
 
 
 class Masker:
@@ -172,7 +289,7 @@ class Masker:
 
     def _mask_leading_part(self, text: str) -> str:
         longest = 0
-        for secret in self.secrets:
+        for secret in (*self.secrets, *_learned):
             for start in range(1, len(secret)):
                 tail = secret[start:]
                 if len(tail) > longest and text.startswith(tail):

@@ -9,7 +9,7 @@ from psycopg import errors
 
 from jobrun import control, messages, sql
 from jobrun.escape import printable
-from jobrun.exitcodes import Exit, JobrunError
+from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
 from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
 
@@ -38,14 +38,12 @@ _NEEDS = {
 }
 
 
-class NotGranted(JobrunError):
+class NotGranted(LockStoreUnavailable):
     """After ``jobrun init``: the role was not granted the key for what it asked (exit 69).
 
     The database's answer (``jobrun.allowed``), never a guess from rows this role cannot see:
     a key of another team is refused as such, not taken for a typo.
     """
-
-    exit_code = Exit.UNAVAILABLE
 
     def __init__(self, role: str, label: str, need: str) -> None:
         does, grants = _NEEDS.get(need, _NEEDS["control"])
@@ -53,7 +51,8 @@ class NotGranted(JobrunError):
         super().__init__(
             f"role {printable(role)} is not granted {printable(label)}: it may not {does} it "
             f"(the database owner grants it with: jobrun grant {printable(role)} "
-            f"{grants.format(keys=keys)})"
+            f"{grants.format(keys=keys)})",
+            reason=NOT_GRANTED,
         )
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobrun import db, threads
+from jobrun import db, masking, threads
 from jobrun.exitcodes import LockStoreUnavailable
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class ServerSession:
         if conn is not None and (self.held or self.keeps):
             return conn
         self.close()
-        self._conn = db.connect(self.target, app_name=self.app_name)
+        self._conn = _learned(db.connect(self.target, app_name=self.app_name))
         return self._conn
 
     def connection(self) -> Connection | None:
@@ -138,7 +138,7 @@ class ServerSession:
         Raises LockStoreUnavailable when no connection can be had.
         """
         if self.connection() is None:
-            fresh = db.connect(self.target, app_name=self.app_name)
+            fresh = _learned(db.connect(self.target, app_name=self.app_name))
             with self._turn:
                 spare = self.connection() is not None  # another party reopened it meanwhile
                 if not spare:
@@ -241,6 +241,18 @@ class ServerSession:
                     continue
                 self._deadlines.clear()  # each use past its bound fails with the cut
             self.cut()
+
+
+def _learned(conn: Connection) -> Connection:
+    """``conn``, its password now masked wherever jobrun masks (kept output, pings, the hook).
+
+    PQpass is the password libpq took, whatever its source (the DSN, PGPASSWORD, a service
+    file, the password file): the run's first connection comes before its child, so every
+    tail kept is masked with it.
+    """
+    info = conn.info
+    masking.learn(info.password, info.user)
+    return conn
 
 
 def _readable(conn: Connection) -> bool:

@@ -76,9 +76,21 @@ def validate_pattern(pattern: str) -> str:
     """
     where = f"--keys {printable(pattern)!r}"
     if pattern.startswith(LOCK_ID_PREFIX):
+        # WARNING: only an exact id. The lock id of every named key is a ``lock-id:`` label
+        # too (``jobrun key NAME`` prints it): a range such as ``lock-id:9*`` would let the
+        # role write leases on the ids of other teams' named keys and block them.
         rest = pattern[len(LOCK_ID_PREFIX) :]
-        if not rest or any(char not in "0123456789-*?" for char in rest):
-            raise UsageError(f"{where}: after {LOCK_ID_PREFIX} only digits, - and * or ?")
+        if any(char in "*?" for char in rest):
+            raise UsageError(
+                f"{where}: a {LOCK_ID_PREFIX} grant names one exact id (a range would reach "
+                "the lock ids of named keys); grant each id, or name the keys"
+            )
+        try:
+            exact = int(rest)
+        except ValueError:
+            raise UsageError(f"{where}: after {LOCK_ID_PREFIX} a whole number") from None
+        if not -(2**63) <= exact < 2**63 or rest != str(exact):
+            raise UsageError(f"{where}: after {LOCK_ID_PREFIX} a signed 64-bit id as written")
     else:
         try:
             validate_name(pattern.replace("*", "x").replace("?", "x"))

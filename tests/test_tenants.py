@@ -330,12 +330,12 @@ class TestSetUp:
             assert rows.fetchone() == (0,)
 
     def test_grant_and_revoke_round_trip(self, teams):
-        """After --revoke team_b's runs keep no history; granted again, they do."""
+        """After --revoke team_b's runs are refused (69); granted again, they run and record."""
         team_b = Teams.role_of(teams.b)
         ok(jobrun_cli.run("grant", team_b, "--revoke", dsn=teams.owner))
         revoked = jobrun_cli.run("--key", "b-x", "--", "true", dsn=teams.b)
-        assert revoked.returncode == 0, revoked.stderr
-        assert "history_failed" in revoked.stderr
+        assert revoked.returncode == 69, revoked.stderr
+        assert event(revoked.stderr, "lockstore_unavailable")["reason"] == "not_granted"
         ok(jobrun_cli.run("grant", team_b, "--keys", "b-*", dsn=teams.owner))
         granted = jobrun_cli.run("--key", "b-x", "--", "true", dsn=teams.b)
         assert granted.returncode == 0, granted.stderr

@@ -7,8 +7,10 @@ import os
 import pwd
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -160,6 +162,54 @@ class TestNoDriverFits:
         assert result.returncode == 0, result.stderr
 
 
+def build_id(pyz: Path) -> str:
+    """The BUILD_ID the file's bootstrap unpacks under."""
+    with zipfile.ZipFile(pyz) as archive:
+        found = re.search(r"(?m)^BUILD_ID = ['\"](\w+)['\"]$", archive.read("__main__.py").decode())
+    assert found is not None
+    return found[1]
+
+
+def plant_code(cache: Path, build: str, planted: Path) -> None:
+    """Modules in ``cache`` where an unpacked copy would be, each recording that it ran."""
+    lib = cache / build / "lib"
+    native = cache / build / f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}"
+    for where, module in [(lib, "jobrun"), (lib, "click"), (native, "psycopg_binary")]:
+        (where / module).mkdir(parents=True, exist_ok=True)
+        (where / module / "__init__.py").write_text(
+            f"open({str(planted)!r}, 'a').write({module!r})\n"
+        )
+    (lib / f".compiled-{sys.implementation.cache_tag}").touch()
+
+
+def said_fresh_directory(stderr: str, why: str) -> Path:
+    """The new private directory named in the run's one line about the refused one."""
+    lines = [line for line in stderr.splitlines() if not line.startswith("{")]
+    assert len(lines) == 1, stderr
+    assert why in lines[0], lines[0]
+    found = re.search(r"new private directory, (/.+)\)$", lines[0])
+    assert found is not None, lines[0]
+    return Path(found[1])
+
+
+def python_for_others() -> str:
+    """A python3 >= 3.10 that another user (nobody) may run, else skip."""
+    for candidate in (HOST_PYTHON, "/usr/bin/python3", "/usr/local/bin/python3"):
+        path = Path(candidate).resolve()
+        reachable = path.exists() and all(
+            p.stat().st_mode & stat.S_IXOTH for p in (path, *path.parents)
+        )
+        if not reachable:
+            continue
+        check = subprocess.run(
+            [str(path), "-c", "import sys; sys.exit(sys.version_info < (3, 10))"],
+            capture_output=True, timeout=60, check=False,
+        )  # fmt: skip
+        if check.returncode == 0:
+            return str(path)
+    pytest.skip("no python3 >= 3.10 that another user may run")
+
+
 class TestCache:
     """The unpacked copy is private: no other local user can put code into a run."""
 
@@ -169,36 +219,54 @@ class TestCache:
         info = (tmp_path / "jobrun").stat()
         assert (info.st_uid, info.st_mode & 0o777) == (os.geteuid(), 0o700)
 
-    def test_cache_dir_of_another_user_is_refused(self, pyz, dsn, key, tmp_path):
-        """A jobrun cache directory another user made first: exit 69, one line, no run."""
+    def test_cache_dir_of_another_user_is_not_used(self, pyz, dsn, key, tmp_path):
+        """A cache directory another user made first, with code planted in it: never imported.
+
+        The run goes on from a new private directory (said in one line, removed at the end);
+        the squatted directory is left as it was.
+        """
         if os.geteuid() != 0:
             pytest.skip("making a directory owned by another user needs root")
         nobody = pwd.getpwnam("nobody")
-        (tmp_path / "jobrun").mkdir(mode=0o700)
-        os.chown(tmp_path / "jobrun", nobody.pw_uid, nobody.pw_gid)
+        squatted = tmp_path / "jobrun"
+        planted = tmp_path / "planted-ran"
+        plant_code(squatted, build_id(pyz), planted)
+        for path in (squatted, *squatted.rglob("*")):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        before = sorted(squatted.rglob("*"))
         marker = tmp_path / "ran"
         result = run_pyz(pyz, "--key", key, "--", "touch", str(marker), dsn=dsn, cache=tmp_path)
-        assert result.returncode == 69
-        assert "belongs to uid" in result.stderr
-        assert len(result.stderr.splitlines()) == 1
-        assert not marker.exists()
+        assert result.returncode == 0, result.stderr
+        assert marker.exists()
+        assert not planted.exists()
+        fresh = said_fresh_directory(result.stderr, "belongs to uid")
+        assert fresh.parent == tmp_path
+        assert not fresh.exists()
+        assert sorted(squatted.rglob("*")) == before
 
-    def test_cache_dir_open_to_others_is_refused(self, pyz, dsn, key, tmp_path):
+    def test_cache_dir_open_to_others_is_not_used(self, pyz, dsn, key, tmp_path):
         """Our own cache directory that others may write to is not used (they may have)."""
         (tmp_path / "jobrun").mkdir()
         (tmp_path / "jobrun").chmod(0o777)
+        planted = tmp_path / "planted-ran"
+        plant_code(tmp_path / "jobrun", build_id(pyz), planted)
         result = run_pyz(pyz, "--key", key, "--", "true", dsn=dsn, cache=tmp_path)
-        assert result.returncode == 69
-        assert "open to other users" in result.stderr
+        assert result.returncode == 0, result.stderr
+        said_fresh_directory(result.stderr, "open to other users")
+        assert not planted.exists()
 
-    def test_cache_under_a_directory_others_can_write_is_refused(self, pyz, dsn, key, tmp_path):
-        """Under a world-writable, non-sticky parent, our directory could be swapped: 69."""
+    def test_cache_under_a_directory_others_can_write_is_not_used(self, pyz, dsn, key, tmp_path):
+        """Under a world-writable, non-sticky parent, our directory could be swapped.
+
+        So could a new one beside it: the run unpacks into the temporary directory instead.
+        """
         shared = tmp_path / "shared"
         shared.mkdir()
         shared.chmod(0o777)
         result = run_pyz(pyz, "--key", key, "--", "true", dsn=dsn, cache=shared)
-        assert result.returncode == 69
-        assert "can be changed by other users" in result.stderr
+        assert result.returncode == 0, result.stderr
+        fresh = said_fresh_directory(result.stderr, "can be changed by other users")
+        assert shared not in fresh.parents
 
     def test_cache_reached_through_a_link_is_checked_where_it_is(self, pyz, dsn, key, tmp_path):
         """A link to a directory inside a world-writable one: the real parents are checked."""
@@ -207,19 +275,75 @@ class TestCache:
         shared.chmod(0o777)
         (tmp_path / "link").symlink_to(shared / "inner")
         result = run_pyz(pyz, "--key", key, "--", "true", dsn=dsn, cache=tmp_path / "link")
-        assert result.returncode == 69
-        assert "can be changed by other users" in result.stderr
+        assert result.returncode == 0, result.stderr
+        fresh = said_fresh_directory(result.stderr, "can be changed by other users")
+        assert shared not in fresh.resolve().parents
 
-    def test_refusal_escapes_control_characters(self, pyz, dsn, key, tmp_path):
-        """The one line names the file with its control characters escaped."""
+    def test_no_safe_place_at_all_is_69_with_control_characters_escaped(
+        self, pyz, dsn, key, tmp_path
+    ):
+        """Cache and temporary directory both open to others: 69, one escaped line, no run.
+
+        Only the user's own settings can bring this about: no other user can.
+        """
         odd = tmp_path / "job\x1b[31mrun.pyz"
         shutil.copyfile(pyz, odd)
-        (tmp_path / "jobrun").mkdir(mode=0o700)
-        (tmp_path / "jobrun").chmod(0o777)
-        result = run_pyz(odd, "--key", key, "--", "true", dsn=dsn, cache=tmp_path)
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        marker = tmp_path / "ran"
+        result = run_pyz(
+            odd, "--key", key, "--", "touch", str(marker), dsn=dsn, cache=shared,
+            extra={"TMPDIR": str(shared)},
+        )  # fmt: skip
         assert result.returncode == 69
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert "can be changed by other users" in result.stderr
         assert "job\\x1b[31mrun.pyz" in result.stderr
         assert "\x1b" not in result.stderr
+        assert not marker.exists()
+        assert not [p for p in shared.iterdir() if p.name.startswith("jobrun-")]
+
+    def test_squatted_tmp_cache_of_an_account_without_home_is_not_used(self, pyz, dsn, key):
+        """An account with no writable home unpacks into $TMPDIR/jobrun-<uid>; squatted: run on.
+
+        As ``nobody`` (home /nonexistent), with that directory made first by another user.
+        """
+        if os.geteuid() != 0:
+            pytest.skip("running as nobody, with a directory of another user's, needs root")
+        nobody = pwd.getpwnam("nobody")
+        python = python_for_others()
+        # Not under tmp_path: pytest's directories are closed to other users.
+        place = Path(tempfile.mkdtemp(prefix="jobrun-zipapp-", dir="/tmp"))
+        try:
+            place.chmod(0o755)
+            copy = place / "jobrun.pyz"
+            shutil.copyfile(pyz, copy)
+            copy.chmod(0o644)
+            tmp = place / "tmp"
+            tmp.mkdir()
+            tmp.chmod(0o1777)
+            squatted = tmp / f"jobrun-{nobody.pw_uid}"
+            squatted.mkdir(mode=0o700)  # root's: another user's, for nobody
+            marker = tmp / "ran"
+            env = jobrun_cli.environment(
+                dsn, {"HOME": nobody.pw_dir, "TMPDIR": str(tmp), "USER": "nobody"}
+            )
+            for name in ("XDG_CACHE_HOME", "PYTHONPATH"):
+                env.pop(name, None)
+            result = subprocess.run(
+                [python, str(copy), "--key", key, "--", "touch", str(marker)], env=env,
+                cwd=place, capture_output=True, text=True, timeout=180, check=False,
+                stdin=subprocess.DEVNULL, user=nobody.pw_uid, group=nobody.pw_gid,
+                extra_groups=[],
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            assert marker.exists()
+            fresh = said_fresh_directory(result.stderr, "belongs to uid 0")
+            assert fresh.parent == tmp
+            assert sorted(p.name for p in tmp.iterdir()) == sorted([squatted.name, "ran"])
+        finally:
+            shutil.rmtree(place, ignore_errors=True)
 
     def test_runs_from_a_directory_others_can_write(self, pyz, dsn, key, tmp_path):
         """The file in a world-writable directory, run from there: nothing planted is imported."""

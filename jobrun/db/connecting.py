@@ -19,7 +19,7 @@ from jobrun import sql, threads
 from jobrun.exitcodes import TLS, LockStoreUnavailable, UsageError
 from jobrun.log import safe_text
 
-from .dsn import describe, parse_dsn
+from .dsn import describe, network_sslmode, parse_dsn
 from .errors import one_line, unavailable
 
 if TYPE_CHECKING:
@@ -87,12 +87,15 @@ _REFUSED = (
 # names another host (verify-ca, verify-full), the server does not offer TLS (require), a
 # certificate or key file libpq needs is missing or unreadable, or the handshake failed.
 # libpq's "SSL SYSCALL error" and an unexpected EOF are the network failing: unreachable.
+# Likewise the user's own guards against a server in the middle: the server asked for an
+# authentication method require_auth forbids, or for one without channel_binding=require.
 _TLS = (
     r"(?i)certificate verify failed|does not match host name|server certificate for"
     r"|does not support SSL|root certificate file|certificate present, but not private key"
     r"|could not (?:load|read|open) (?:SSL )?(?:certificate|private key|root certificate)"
     r"|private key file|SSL error: (?!unexpected eof)|tlsv1 alert|sslv3 alert"
     r"|wrong version number"
+    r"|authentication method requirement .* failed|channel binding (?:is )?required"
 )
 # sslnegotiation=direct opens with a TLS ClientHello where a server expects a start-up
 # packet or an SSL request: a server before 17, or one without TLS, hangs up on it at once.
@@ -100,6 +103,14 @@ _DIRECT_EOF = r"(?i)SSL error: unexpected eof|SSL SYSCALL error: EOF"
 _DIRECT_HINT = (
     "; sslnegotiation=direct needs a PostgreSQL 17 or later server with TLS on (an older "
     "one, or one without TLS, hangs up on it): remove it from the connection string"
+)
+# TLS failed where jobrun itself asked for it (sslmode=require, the connection string
+# naming none): say why, and the one setting that allows plain text again.
+_NETWORK_TLS_HINT = (
+    "; jobrun asks for TLS over a network when the connection string sets no sslmode (a "
+    "server that declines it may be someone in the middle): if this server really has no "
+    "TLS, add sslmode=prefer to the connection string (its passwords then cross the network "
+    "in the clear)"
 )
 # PgBouncer (before 1.20) refuses any start-up parameter it does not track.
 _OPTIONS_UNSUPPORTED = r"(?i)unsupported startup parameter: options"
@@ -192,6 +203,7 @@ def connect(target: Target, *, app_name: str) -> Connection:
                 # outage, so never a reason to run unguarded (at worst a real cut during the
                 # handshake fails closed too).
                 reason, text = TLS, text + _DIRECT_HINT
+            text += _network_tls_hint(reason, params)
             raise LockStoreUnavailable(
                 f"cannot connect to {describe(target)}: {text}", reason=reason
             ) from None
@@ -208,6 +220,11 @@ def classify(message: str) -> str:
     if re.search(_TLS, message):
         return TLS
     return REFUSED if re.search(_BUSY, message) or re.search(_REFUSED, message) else UNREACHABLE
+
+
+def _network_tls_hint(reason: str, params: dict[str, Any]) -> str:
+    """Why TLS was asked for, when it was jobrun's own sslmode that failed ("" otherwise)."""
+    return _NETWORK_TLS_HINT if reason == TLS and network_sslmode(params) else ""
 
 
 def _direct(params: dict[str, Any]) -> bool:
@@ -240,6 +257,11 @@ def _connection_kwargs(
         "keepalives_count": 3,
         "tcp_user_timeout": int(target.tcp_user_timeout * 1000),
     }
+    # WARNING: libpq's default (prefer) sends a cleartext password over plain text when a
+    # server, or whoever answers in its place, declines TLS: over a network, TLS or nothing.
+    sslmode = network_sslmode(params)
+    if sslmode:
+        kwargs["sslmode"] = sslmode
     if not target._learned.get("no_options"):  # noqa: SLF001 - our own memo
         # The user's options (DSN, else PGOPTIONS) first: a later -c wins, so ours do.
         theirs = str(params.get("options") or os.environ.get("PGOPTIONS", ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,6 +26,22 @@ _SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*(?::[A-Za-z][A-Za-z0-9+.-]*)*(?=://)"
 _URI_HOSTS = r"(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?(?:,(?:\[[^\]]*\]|[^:,\[\]]*)(?::[0-9]*)?)*"
 # Used on error paths only: a plain string, compiled (and cached by ``re``) when needed.
 _QUOTED = r'"[^"]*"'
+
+#: The sslmode a connection over a network gets when nothing says how to protect it: TLS
+#: or no connection, so that no password crosses the network in the clear (libpq's own
+#: default, ``prefer``, goes on in plain text when the server, or a man in the middle,
+#: declines TLS, and then sends a cleartext password if asked for one).
+NETWORK_SSLMODE = "require"
+#: Parameters (connection string, else environment) by which the user has said how the
+#: connection is to be encrypted or authenticated; with any of them, libpq's rules stand.
+#: A service's section may set sslmode, and jobrun cannot read it as libpq does: a named
+#: service is the user's choice too.
+_TLS_CHOICES = (
+    ("sslmode", "PGSSLMODE"),
+    ("requiressl", "PGREQUIRESSL"),
+    ("require_auth", "PGREQUIREAUTH"),
+    ("service", "PGSERVICE"),
+)
 
 
 def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
@@ -173,3 +190,43 @@ def describe(target: Target) -> str:
         or "(default database)"
     )
     return redact(safe_text(f"{host}:{port}/{dbname}"), target.secrets)
+
+
+def network_sslmode(params: dict[str, Any]) -> str | None:
+    """``require`` when the connection goes over a network and nothing says how to protect it.
+
+    None when the user chose (sslmode, require_auth, a service, ``channel_binding=require``,
+    ``gssencmode=require``, ``sslrootcert=system``, in the connection string or the
+    environment) or when every
+    address it may reach is local: a Unix-domain socket, ``localhost`` or a loopback address.
+    """
+    env = os.environ
+    if any(params.get(key) or env.get(var) for key, var in _TLS_CHOICES):
+        return None
+    if str(params.get("gssencmode") or env.get("PGGSSENCMODE", "")) == "require":
+        return None  # encrypted by GSSAPI, or no connection at all
+    if str(params.get("channel_binding") or env.get("PGCHANNELBINDING", "")) == "require":
+        return None  # SCRAM bound to TLS, or no authentication at all
+    if str(params.get("sslrootcert") or env.get("PGSSLROOTCERT", "")) == "system":
+        return None  # libpq makes that sslmode=verify-full
+    hosts = str(params.get("host") or env.get("PGHOST", "")).split(",")
+    addrs = str(params.get("hostaddr") or env.get("PGHOSTADDR", "")).split(",")
+    # libpq pairs the lists entry by entry, and connects to hostaddr where one is given.
+    for index in range(max(len(hosts), len(addrs))):
+        host = hosts[index] if index < len(hosts) else hosts[0]
+        addr = addrs[index] if index < len(addrs) else ""
+        if not _is_local(addr.strip() or host.strip()):
+            return NETWORK_SSLMODE
+    return None
+
+
+def _is_local(address: str) -> bool:
+    """Whether libpq reaches ``address`` without a network: a socket, or the loopback."""
+    if not address or address.startswith(("/", "@")):  # a Unix-domain socket (or abstract)
+        return True
+    if address.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:  # any other name: wherever the resolver says, so a network
+        return False

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from jobrun import sql
 from jobrun.doctor import query
-from jobrun.doctor.finding import FAIL, OK, WARN, Finding
+from jobrun.doctor.finding import FAIL, NOTE, OK, WARN, Finding
+from jobrun.escape import printable
 
 if TYPE_CHECKING:
     from jobrun.doctor.query import Connection
@@ -127,4 +128,33 @@ def advisory(conn: Connection) -> list[Finding]:
         f"{share * _PERCENT:.1f}%"
     )
     status = FAIL if share >= LOCK_TABLE_FAIL else WARN if share >= LOCK_TABLE_WARN else OK
-    return [held, Finding(status, "lock table", detail)]
+    return [held, *_foreign_holders(conn), Finding(status, "lock table", detail)]
+
+
+#: How many sessions holding advisory locks outside jobrun the doctor names.
+_NAMED_HOLDERS = 5
+
+
+def _foreign_holders(conn: Connection) -> list[Finding]:
+    """A NOTE naming sessions outside jobrun that hold locks in the keys' space, if any.
+
+    An application's own advisory locks, or a role squatting a key's id (``jobrun key
+    NAME`` prints it): session-mode runs of that key skip while it holds it; lease mode,
+    after ``jobrun init``, goes past a role that may not run the key.
+    """
+    rows = conn.execute(sql.DOCTOR_FOREIGN_ADVISORY).fetchall()
+    if not rows:
+        return []
+    named = ", ".join(
+        f"role {printable(str(role))} (pid {pid}) holds lock id {lock_id}"
+        for role, pid, lock_id in rows[:_NAMED_HOLDERS]
+    )
+    more = " and more" if len(rows) > _NAMED_HOLDERS else ""
+    return [
+        Finding(
+            NOTE,
+            "advisory locks outside jobrun",
+            f"{named}{more}: a session-mode run of a key with such an id skips while it is "
+            "held (jobrun key NAME prints a key's id)",
+        )
+    ]

@@ -12,7 +12,7 @@ from psycopg import errors
 
 from jobrun import db, sql
 from jobrun.durations import format_seconds
-from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError
+from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError, not_granted
 from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
@@ -164,6 +164,7 @@ class LeaseLock:
         self._params = {
             "lock_ids": [key.lock_id for key in keys],
             "keys": [key.label for key in keys],
+            "label": describe(keys),
             "owner": identity.run_id,
             "host": identity.host,
             "pid": identity.pid,
@@ -222,11 +223,16 @@ class LeaseLock:
         # than the database's own start of the lease.
         sent = time.monotonic()
         try:
-            taken = self._insert(conn)
-        except errors.UndefinedTable:
-            ensure_schema(conn)
-            sent = time.monotonic()
-            taken = self._insert(conn)
+            try:
+                taken = self._insert(conn)
+            except errors.UndefinedTable:
+                ensure_schema(conn)
+                sent = time.monotonic()
+                taken = self._insert(conn)
+        except errors.InsufficientPrivilege:
+            # After ``jobrun init`` the lease row of a key the role was not granted is
+            # refused by row-level security (or the table by its grants): no outage.
+            raise not_granted(conn.info.user, describe(self._keys)) from None
         if isinstance(taken, Holder):
             return taken
         if taken:
@@ -261,6 +267,8 @@ class LeaseLock:
         session_held = False
         with conn.transaction():
             free = conn.execute(sql.LEASE_NO_SESSION_LOCK, self._params).fetchone()
+            if not (free and free[0]):
+                free = self._past_squatters(conn, sql.LEASE_NO_SESSION_RUN)
             if free and free[0]:
                 rows = conn.execute(sql.LEASE_ACQUIRE, self._params).fetchall()
                 if len(rows) == len(self._keys):
@@ -274,6 +282,8 @@ class LeaseLock:
         """One key: the lease, or who holds the key, in ONE statement (sql.LEASE_TAKE_ONE)."""
         row = conn.execute(sql.LEASE_TAKE_ONE, self._params).fetchone()
         assert row is not None  # noqa: S101 - one row, always
+        if not row[0] and row[8] is not None:
+            row = self._past_squatters(conn, sql.LEASE_TAKE_ONE_PAST_SQUATTERS) or row
         free, taken, *lease = row[:8]
         if free and taken:
             return True
@@ -287,6 +297,27 @@ class LeaseLock:
         if lease[0] is None:  # expired or released since: try again later
             return Holder(key=label)
         return _lease_holder(lease)
+
+    def _past_squatters(
+        self, conn: psycopg.Connection[tuple[object, ...]], statement: str
+    ) -> tuple[object, ...] | None:
+        """``statement`` again, treating advisory locks of roles not granted the key as free.
+
+        Only when a session holds one of our ids: an advisory lock is no part of the
+        grants, so any role that may connect can take a key's id (``jobrun key NAME``
+        prints it). After ``jobrun init`` such a lock guards no run of the key, and lease
+        mode, whose rows the grants do guard, goes past it; a session of a role that may
+        run the key still keeps us out. None where ``jobrun init`` never ran (no
+        ``jobrun.only_squatters``): the lock stands, as before. One more round trip, on
+        this path only.
+        """
+        try:
+            if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                return conn.execute(statement, self._params).fetchone()
+            with conn.transaction():  # several keys: a savepoint in their transaction
+                return conn.execute(statement, self._params).fetchone()
+        except errors.UndefinedFunction:
+            return None
 
     def _session_holder(self, conn: psycopg.Connection[tuple[object, ...]]) -> Holder:
         """Who holds one of our keys as a session-mode advisory lock."""

@@ -11,15 +11,13 @@ import psycopg
 from psycopg import errors
 
 from jobrun import db, sql
-from jobrun.exitcodes import LockLost, LockStoreUnavailable
-from jobrun.keys import Key, names
+from jobrun.exitcodes import LockLost, LockStoreUnavailable, not_granted
+from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.holders import (
     announcement,
-    int_or_none,
     leased_holder,
     session_holder,
-    str_or_none,
 )
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
@@ -171,6 +169,7 @@ class SessionLock:
             "fence": self.fence,
             "classid": classid,
             "objid": objid,
+            "label": key.label,
         }
         message = (self._comment + self._immune(conn)).replace("%", "%%")
         with db.translate_errors(self._target, "taking the advisory lock"):
@@ -197,6 +196,7 @@ class SessionLock:
                 else Holder(key=key.label)
             )
         self._held.append(key)
+        self._refuse_if_not_granted(conn, found[0])
         leased = leased_holder(found[0], self._log, self._target)
         if leased is not None:
             self._unlock_taken(conn)
@@ -266,33 +266,32 @@ class SessionLock:
         other runs both): lease mode takes a transaction lock on the same ids as it writes
         its lease, so a lease written before our locks were granted is visible here.
         """
-        try:
-            # With the comment, as every statement here: the session's last query names us.
-            row = conn.execute(
-                self._comment + sql.SESSION_LEASED, ([key.lock_id for key in self._keys],)
-            ).fetchone()
-        except errors.UndefinedTable:  # lease mode never ran in this database
-            return None
-        except errors.InsufficientPrivilege as exc:
-            # A role that cannot read the leases cannot hold one either: only a host running
-            # lease mode as another role could be missed. Say so, and go on.
-            self._log.warning(
-                "lease_check_failed",
-                error=db.one_line(exc, self._target),
-                note="lease-mode runs of this key (by other roles) cannot be seen",
-            )
-            return None
-        if row is None:
-            return None
-        label, owner, host, pid, acquired_at, expires_at = row
-        return Holder(
-            key=str(label),
-            host=str_or_none(host),
-            pid=int_or_none(pid),
-            run_id=str_or_none(owner),
-            since=acquired_at.isoformat(timespec="seconds") if acquired_at else None,  # type: ignore[attr-defined]
-            expires_at=expires_at.isoformat(timespec="seconds") if expires_at else None,  # type: ignore[attr-defined]
+        # With the comment, as every statement here: the session's last query names us.
+        # Bound on the client: one message of three statements.
+        cursor = psycopg.ClientCursor(conn)
+        cursor.execute(
+            self._comment.replace("%", "%%") + sql.SESSION_LEASED,
+            {"label": describe(self._keys)},
         )
+        while cursor.nextset():  # the label's setting and the DO block come first
+            pass
+        row = cursor.fetchone()
+        found = row[0] if row else None
+        self._refuse_if_not_granted(conn, found)
+        return leased_holder(found, self._log, self._target)
+
+    def _refuse_if_not_granted(
+        self, conn: psycopg.Connection[tuple[object, ...]], found: object
+    ) -> None:
+        """After ``jobrun init``, a role may hold only keys it was granted: else 69, not run.
+
+        WARNING: fails closed even with ``--on-db-error run``: the database answered, and
+        its answer is no. What we took is unlocked before the refusal.
+        """
+        if found != sql.NOT_GRANTED:
+            return
+        self._unlock_taken(conn)
+        raise not_granted(conn.info.user, describe(self._keys))
 
     def _holder_of(self, conn: psycopg.Connection[tuple[object, ...]], key: Key) -> Holder:
         classid, objid = key.pg_locks_pair

@@ -54,24 +54,28 @@ SELECT (SELECT count(*) FROM pg_locks
             WHERE run_id = %(run_id)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
 """
 
+#: The stop request for this run naming one of its keys (as above), as one JSON text, for
+#: lease mode's heartbeat: qualified like lease mode's own statements (sql.lease), which
+#: may reach the server through a transaction pooler.
+_STOP_REQUEST_OF_LEASE = """
+(SELECT pg_catalog.row_to_json(s)::pg_catalog.text FROM (
+    SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
+    WHERE run_id OPERATOR(pg_catalog.=) %(owner)s::pg_catalog.uuid
+      AND key OPERATOR(pg_catalog.=) ANY(%(stop_keys)s::pg_catalog.text[])) AS s)
+"""
+
 #: Lease mode's renewal (LEASE_RENEW itself, so the two cannot drift apart) and a stop
-#: request for this run naming one of its keys (as above), in one statement.
+#: request for this run, in one statement.
 LEASE_RENEW_OR_STOP = f"""
 WITH renewed AS ({LEASE_RENEW})
-SELECT (SELECT count(*) FROM renewed),
-       (SELECT row_to_json(s)::text FROM (
-            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
-"""  # noqa: S608 - composed of this package's constants only
+SELECT (SELECT pg_catalog.count(*) FROM renewed), {_STOP_REQUEST_OF_LEASE}
+"""
 
 #: Lease mode's heartbeat when no renewal is due (LEASE_HELD: the leases still ours) and a
-#: stop request for this run naming one of its keys, in one statement.
+#: stop request for this run, in one statement.
 LEASE_HELD_OR_STOP = f"""
-SELECT ({LEASE_HELD}),
-       (SELECT row_to_json(s)::text FROM (
-            SELECT host, username, pid, reason, requested_at FROM jobrun.stop_requests
-            WHERE run_id = %(owner)s::uuid AND key = ANY(%(stop_keys)s::text[])) AS s)
-"""  # noqa: S608 - composed of this package's constants only
+SELECT ({LEASE_HELD}), {_STOP_REQUEST_OF_LEASE}
+"""
 
 #: ``jobrun stop``: ask the run ``run_id`` to stop (a repeated request keeps the first).
 #: ``username`` is the database role (session_user: the server's word; after ``jobrun init``
@@ -273,12 +277,13 @@ LEFT JOIN LATERAL (
 #: only this: terminate the backend ``backend`` if
 #: - the history records ``run`` as a session-mode run going on (``runs``, whose rows claim
 #:   only their own key's lock ids);
-#: - the caller asked that run to stop: a stop request for it under one of its keys, in the
-#:   caller's name (session_user, which a trigger writes). Row-level security let the
-#:   caller write it only with ``jobrun.allowed(key, 'control')`` asked as the caller. Here
-#:   current_user is the owner, so allowed() itself would answer for the owner: the request
-#:   is the caller's answer, and ``stop`` also asks allowed() as the caller before the call
-#:   (STOP_TAKE_AWAY_AS_OWNER);
+#: - the caller may control the run's key: ``jobrun.allowed_for(session_user, label,
+#:   'control')``. WARNING: not ``jobrun.allowed``, which asks for current_user, and
+#:   current_user is the owner in here. ``stop`` asks ``jobrun.allowed`` as the caller too,
+#:   before the call (STOP_TAKE_AWAY_AS_OWNER);
+#: - the caller asked that very run to stop: a stop request for it under one of its keys,
+#:   in the caller's name (session_user, which a trigger writes; row-level security let
+#:   the caller write it only with the ``control`` right);
 #: - the backend holds, in this database, one of the lock ids the history records for the
 #:   run, and is not a superuser's (as for pg_signal_backend);
 #: - where the owner may read the backend's statement, it announces that very run (a
@@ -301,6 +306,10 @@ BEGIN
       AND x.mode OPERATOR(pg_catalog.=) 'session';
     IF NOT FOUND THEN
         RETURN false;
+    END IF;
+    IF NOT jobrun.allowed_for(session_user, run_label, 'control') THEN
+        RAISE EXCEPTION 'role % may not control %', session_user, run_label
+            USING ERRCODE = 'insufficient_privilege';
     END IF;
     IF NOT EXISTS (
         SELECT 1 FROM jobrun.stop_requests AS s

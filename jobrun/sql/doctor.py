@@ -68,6 +68,20 @@ CROSS JOIN (SELECT oid FROM pg_database WHERE datname = current_database()) AS d
 WHERE l.locktype = 'advisory' AND l.granted
 """
 
+#: Sessions in this database, other than jobrun's, holding advisory locks in the space keys
+#: use (a bigint: objsubid 1): an application's own locks, or a squatter on a key's id
+#: (session-mode runs of that key skip while it holds it). Role, pid and lock id, a few.
+DOCTOR_FOREIGN_ADVISORY = """
+SELECT a.usename, l.pid, (l.classid::bigint << 32) | l.objid::bigint
+FROM pg_locks AS l
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND coalesce(a.application_name, '') NOT LIKE 'jobrun:%'
+ORDER BY a.usename, l.pid
+LIMIT 6
+"""
+
 #: The doctor's own session must not be cut short by the role's statement_timeout: it reads
 #: the role's value from pg_settings.reset_val (the value a new session starts with) instead.
 #: SHOW and SET touch no catalog, so they finish even under a 1 ms timeout on a busy server.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jobrun.sql.control import CONTROL_SCHEMA, PAUSES_IN_FORCE
 from jobrun.sql.lease import SCHEMA_XACT_LOCK
+from jobrun.sql.session import SEARCH_PATH
 
 # Each history call is ONE message of the statements below, joined by ";" and bound on the
 # client: the server runs it as one implicit transaction (the settings made local by
@@ -60,8 +61,12 @@ RUNS_SCHEMA_LOCK = SCHEMA_XACT_LOCK
 
 #: Every history message starts with this: a history statement never holds a job (or the
 #: heartbeat sharing its session) up for longer than its share of the call's timeout.
-RUNS_TIMEOUTS = """
-SELECT set_config('statement_timeout', %(ms)s, true), set_config('lock_timeout', %(ms)s, true)
+#: It also pins the search_path for the rest of the message (sql.session.SEARCH_PATH): a
+#: session's own pin may not follow a message through a transaction pooler.
+RUNS_TIMEOUTS = f"""
+SELECT pg_catalog.set_config('statement_timeout', %(ms)s, true),
+       pg_catalog.set_config('lock_timeout', %(ms)s, true),
+       pg_catalog.set_config('search_path', '{SEARCH_PATH}', true)
 """
 
 #: Runs still marked running on any of our lock ids are dead: we hold those locks now.

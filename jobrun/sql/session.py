@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+#: The search_path of jobrun's own sessions: PostgreSQL's own objects only. jobrun names
+#: its tables ``jobrun.*``; nothing it sends may resolve to a function or operator another
+#: role created in a schema on the path (a ``public.unnest(bigint[])`` beats pg_catalog's
+#: ``unnest(anyarray)`` by its exact types, wherever pg_catalog sits: CVE-2018-1058).
+#: ``pg_temp`` last: no temporary table or function can shadow a name either.
+SEARCH_PATH = "pg_catalog, pg_temp"
+
 BACKEND_PID = "SELECT pg_backend_pid()"
 
 #: Make the lock session immune to server-side idle timeouts (a role or database setting would
@@ -13,7 +20,12 @@ BACKEND_PID = "SELECT pg_backend_pid()"
 #: half-open connection, and the lock, for over 2 hours); whether the server is a standby
 #: (its advisory locks are its own: shared with nobody else); and the backend that runs our
 #: statements (a pooler announces a backend pid of its own: see db.detect_transaction_pooler).
-SESSION_IMMUNE = "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0; "
+#: The search_path is set here too, at no cost: the start-up options pin it, but a session
+#: pooler may drop them, and a session lock needs the session anyway.
+SESSION_IMMUNE = (
+    "SET idle_in_transaction_session_timeout = 0; SET statement_timeout = 0; "
+    f"SET search_path = {SEARCH_PATH}; "
+)
 SESSION_IMMUNE_14 = (
     SESSION_IMMUNE + "SET idle_session_timeout = 0; "
     # A --wait for the next key blocks the backend in pg_advisory_lock: without this it
@@ -28,14 +40,60 @@ SELECT set_config('tcp_keepalives_idle', '{idle:d}', false),
        pg_backend_pid()
 """
 
-#: Session mode must also respect a lease-mode run of the same key: checked after the
-#: advisory locks are ours, so a lease written before that is seen (see LEASE_NO_SESSION_LOCK).
-SESSION_LEASED = """
-SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
-WHERE lock_id = ANY(%s::int8[]) AND expires_at > clock_timestamp()
-ORDER BY lock_id
-LIMIT 1
+#: After the advisory locks are ours, in a DO block whose answer is the setting
+#: ``jobrun.leased`` (local to the message): ``not granted`` when ``jobrun init`` guards
+#: this database and the role may not run the label (``jobrun.label``, set earlier in the
+#: same message; a role without USAGE on the schema was granted nothing); else the
+#: lease-mode run of a key we took, as JSON (session mode must respect it: lease mode
+#: takes a transaction lock on the same ids as it writes its lease, so a lease written
+#: before our locks were granted is seen here); ``unreadable`` when the table is out of
+#: reach. Every name qualified: the block runs with whatever search_path the session has.
+_GRANTED_AND_LEASED = """
+DO $jobrun$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_catalog.pg_proc AS p
+             JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) p.pronamespace
+             WHERE n.nspname OPERATOR(pg_catalog.=) 'jobrun'
+               AND p.proname OPERATOR(pg_catalog.=) 'may_run_as') THEN
+    IF NOT pg_catalog.has_schema_privilege('jobrun', 'USAGE') THEN
+      PERFORM pg_catalog.set_config('jobrun.leased', 'not granted', true);
+      RETURN;
+    END IF;
+    IF NOT jobrun.may_run_as(current_user, pg_catalog.current_setting('jobrun.label')) THEN
+      PERFORM pg_catalog.set_config('jobrun.leased', 'not granted', true);
+      RETURN;
+    END IF;
+  END IF;
+  IF pg_catalog.to_regclass('jobrun.leases') IS NOT NULL THEN
+    PERFORM pg_catalog.set_config('jobrun.leased', coalesce((
+      SELECT pg_catalog.row_to_json(l)::pg_catalog.text FROM (
+        SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
+        WHERE expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp() AND lock_id IN (
+          SELECT (classid::bigint OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) objid::bigint
+          FROM pg_catalog.pg_locks
+          WHERE pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid()
+            AND locktype OPERATOR(pg_catalog.=) 'advisory' AND granted
+            AND objsubid OPERATOR(pg_catalog.=) 1)
+        ORDER BY lock_id LIMIT 1) AS l), ''), true);
+  END IF;
+EXCEPTION WHEN insufficient_privilege THEN  -- the schema or the table
+  PERFORM pg_catalog.set_config('jobrun.leased', 'unreadable', true);
+END
+$jobrun$;
 """
+#: What _GRANTED_AND_LEASED found (NULL: nothing in the way).
+_LEASED_ANSWER = "nullif(pg_catalog.current_setting('jobrun.leased', true), '')"
+
+#: The same check as a message of its own, once every key is ours (several keys, --wait,
+#: the full probe): the label, the DO block, its answer.
+SESSION_LEASED = (
+    "SELECT pg_catalog.set_config('jobrun.label', %(label)s, true);"
+    + _GRANTED_AND_LEASED
+    + f"SELECT {_LEASED_ANSWER}"
+)
+
+#: What ``jobrun.leased`` says when the role may not run the label.
+NOT_GRANTED = "not granted"
 
 TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
 LOCK = "SELECT pg_advisory_lock(%s)"
@@ -65,20 +123,21 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
 LIMIT 1
 """
 
+
 #: Session settings jobrun pins on its own sessions (start-up options, else PIN_SETTINGS).
 PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
     ("DateStyle", "ISO"),
     ("IntervalStyle", "postgres"),
     ("TimeZone", "UTC"),
     ("client_encoding", "UTF8"),
-    ("search_path", '"$user", public'),
+    ("search_path", SEARCH_PATH),
     ("extra_float_digits", "1"),
 )
 #: The same as one statement, for a session that started without them (a pooler).
 PIN_SETTINGS = (
     "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
     "SET client_encoding = 'UTF8'; "
-    'SET search_path = "$user", public; '
+    f"SET search_path = {SEARCH_PATH}; "
     "SET extra_float_digits = 1"
 )
 
@@ -96,30 +155,16 @@ PIN_SETTINGS = (
 #: and the token is taken the other way, which creates the sequence or says what is wrong).
 #: No statement here may fail where lease or fence were never used: a failed message
 #: undoes the settings, while a session lock it took outlives it (the session is closed).
-SESSION_TAKE_AT_ONCE = """
+SESSION_TAKE_AT_ONCE = f"""
 SELECT set_config('tcp_keepalives_idle', %(idle)s, false),
        set_config('tcp_keepalives_interval', '2', false),
        set_config('tcp_keepalives_count', '3', false),
        pg_is_in_recovery(),
        pg_backend_pid(),
        CASE WHEN pg_backend_pid() = %(handshake)s AND NOT pg_is_in_recovery()
-            THEN pg_try_advisory_lock(%(lock_id)s) END;
-DO $jobrun$
-BEGIN
-  IF to_regclass('jobrun.leases') IS NOT NULL THEN
-    PERFORM set_config('jobrun.leased', coalesce((
-      SELECT row_to_json(l)::text FROM (
-        SELECT key, owner, host, pid, acquired_at, expires_at FROM jobrun.leases
-        WHERE expires_at > clock_timestamp() AND lock_id IN (
-          SELECT (classid::int8 << 32) | objid::int8 FROM pg_locks
-          WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND granted AND objsubid = 1)
-        ORDER BY lock_id LIMIT 1) AS l), ''), true);
-  END IF;
-EXCEPTION WHEN insufficient_privilege THEN  -- the schema or the table
-  PERFORM set_config('jobrun.leased', 'unreadable', true);
-END
-$jobrun$;
-SELECT nullif(current_setting('jobrun.leased', true), '') AS leased,
+            THEN pg_try_advisory_lock(%(lock_id)s) END,
+       pg_catalog.set_config('jobrun.label', %(label)s, true);
+{_GRANTED_AND_LEASED}SELECT {_LEASED_ANSWER} AS leased,
        h.pid, h.client_addr, h.application_name, h.backend_start, h.query,
        CASE WHEN %(fence)s AND h.ours THEN (
            SELECT CASE WHEN has_schema_privilege(n.oid, 'USAGE')

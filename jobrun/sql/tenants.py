@@ -38,29 +38,84 @@ CREATE POLICY everyone_reads ON jobrun.grants FOR SELECT USING (true);
 GRANT SELECT ON jobrun.grants TO PUBLIC;
 """
 
-#: ``allowed(label, need)``: every key of ``label`` ("a,b" for a run of several keys)
-#: matches a grant of a role the current user is a member of, of a kind fit for ``need``
-#: (run: job; control and output: job or operator; read: any). SECURITY INVOKER: it sees
-#: what the caller sees. Joined to pg_roles, so a grant of a dropped role is simply no grant.
+#: WARNING: a function body written in SQL is parsed when it runs, with the *caller's*
+#: search_path: a role that puts a schema of its own first (``SET search_path = mine,
+#: pg_catalog``) and defines ``mine.=`` or ``mine.~~`` (LIKE) there would have the policies
+#: below call its operators, and see, change or delete every team's rows. So every
+#: operator, function and non-keyword type in these bodies is schema-qualified
+#: (``OPERATOR(pg_catalog.=)``, ``pg_catalog.unnest``, ``::pg_catalog.text``). Qualifying
+#: costs nothing and keeps ``lock_id`` inlinable (``ids_fit`` calls it up to 257 times per
+#: key); a ``SET search_path`` clause would do the same at the price of a configuration
+#: switch on every call and no inlining, and ``BEGIN ATOMIC`` bodies need PostgreSQL 14.
+#: Keywords (``coalesce``, ``bigint``, ``bit``, ``session_user``) are the grammar's own.
+_EQ = "OPERATOR(pg_catalog.=)"
+_NE = "OPERATOR(pg_catalog.<>)"
+_LIKE = "OPERATOR(pg_catalog.~~)"
+_CAT = "OPERATOR(pg_catalog.||)"
+
+#: ``allowed_for(who, label, need)``: every key of ``label`` ("a,b" for a run of several
+#: keys) matches a grant of a role ``who`` is a member of, of a kind fit for ``need`` (run:
+#: job; control and output: job or operator; read: any). A ``lock-id:`` grant matches only
+#: the one id it names, never by pattern: the id of a named key is a ``lock-id:`` label too
+#: (``jobrun key NAME`` prints it), and a range of ids would reach into other teams' keys.
+#: Joined to pg_roles, so a grant of a dropped role is simply no grant.
+#: ``allowed(label, need)``: the same for the current user (what the policies ask).
+#: ``may_run_as(who, label)``: ``who`` may hold ``label``'s locks: granted it, or not bound
+#: by the grants at all (a superuser, a BYPASSRLS role, a member of the tables' owner).
+#: ``only_squatters(ids, label)``: every other session holding one of the advisory lock
+#: ids ``ids`` in this database is of a role that may not run ``label`` (lease mode then
+#: takes the key past it: such a lock guards no run of the key).
 #: ``lock_id(name)``: keys.lock_id_for in SQL (the first 8 bytes of SHA-256, signed).
 #: ``ids_fit(label, ids)``: every id is the lock id of a key of the label, of one of its
 #: slots (--slots), or the id a ``lock-id:N`` part names: a row can only ever claim its own
 #: key's locks. ``stamp_requester``: who asked is the database's word, never the client's.
-FUNCTIONS = """
-CREATE OR REPLACE FUNCTION jobrun.allowed(label text, need text) RETURNS boolean
+#: SECURITY INVOKER all: each sees what its caller sees.
+FUNCTIONS = f"""
+CREATE OR REPLACE FUNCTION jobrun.allowed_for(who name, label text, need text) RETURNS boolean
 LANGUAGE sql STABLE AS $$
-SELECT coalesce(label, '') <> '' AND NOT EXISTS (
+SELECT coalesce(label, '') {_NE} '' AND NOT EXISTS (
     SELECT 1 FROM pg_catalog.unnest(pg_catalog.string_to_array(label, ',')) AS k (key)
     WHERE NOT EXISTS (
         SELECT 1 FROM jobrun.grants AS g
-        JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role
-        WHERE k.key LIKE g.key_like
-          AND (need = 'read' OR g.kind = 'job' OR (need <> 'run' AND g.kind = 'operator'))
-          AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')))
+        JOIN pg_catalog.pg_roles AS r ON r.rolname {_EQ} g.role
+        WHERE CASE WHEN pg_catalog.starts_with(g.pattern, 'lock-id:')
+                   THEN k.key {_EQ} g.pattern
+                   ELSE k.key {_LIKE} g.key_like END
+          AND (need {_EQ} 'read' OR g.kind {_EQ} 'job'
+               OR (need {_NE} 'run' AND g.kind {_EQ} 'operator'))
+          AND pg_catalog.pg_has_role(who, r.oid, 'MEMBER')))
+$$;
+CREATE OR REPLACE FUNCTION jobrun.allowed(label text, need text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+SELECT jobrun.allowed_for(current_user, label, need)
+$$;
+CREATE OR REPLACE FUNCTION jobrun.may_run_as(who name, label text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles AS r
+               WHERE r.rolname {_EQ} who AND (r.rolsuper OR r.rolbypassrls))
+    OR pg_catalog.pg_has_role(who, (
+           SELECT c.relowner FROM pg_catalog.pg_class AS c
+           WHERE c.oid {_EQ} 'jobrun.runs'::pg_catalog.regclass), 'MEMBER')
+    OR jobrun.allowed_for(who, label, 'run')
+$$;
+CREATE OR REPLACE FUNCTION jobrun.only_squatters(ids bigint[], label text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+SELECT NOT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_locks AS l
+    LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid {_EQ} l.pid
+    WHERE l.locktype {_EQ} 'advisory' AND l.granted AND l.objsubid {_EQ} 1
+      AND l.pid {_NE} pg_catalog.pg_backend_pid()
+      AND l.database {_EQ} (SELECT d.oid FROM pg_catalog.pg_database AS d
+                            WHERE d.datname {_EQ} pg_catalog.current_database())
+      AND ((l.classid::bigint OPERATOR(pg_catalog.<<) 32)
+           OPERATOR(pg_catalog.|) l.objid::bigint) {_EQ} ANY (ids)
+      -- A holder whose role cannot be told (a prepared transaction, a session gone
+      -- since) counts as a run: when in doubt, the lease run skips.
+      AND (a.usename IS NULL OR jobrun.may_run_as(a.usename, label)))
 $$;
 CREATE OR REPLACE FUNCTION jobrun.lock_id(name text) RETURNS bigint
 LANGUAGE sql IMMUTABLE STRICT AS $$
-SELECT ('x' || pg_catalog.encode(pg_catalog.substr(
+SELECT ('x' {_CAT} pg_catalog.encode(pg_catalog.substr(
             pg_catalog.sha256(pg_catalog.convert_to(name, 'UTF8')), 1, 8), 'hex'))::bit(64)::bigint
 $$;
 CREATE OR REPLACE FUNCTION jobrun.ids_fit(label text, ids bigint[]) RETURNS boolean
@@ -69,14 +124,16 @@ SELECT NOT EXISTS (
     SELECT 1 FROM pg_catalog.unnest(ids) AS i (id)
     WHERE NOT EXISTS (
         SELECT 1 FROM pg_catalog.unnest(pg_catalog.string_to_array(label, ',')) AS k (key)
-        WHERE CASE WHEN k.key LIKE 'lock-id:%' THEN pg_catalog.substr(k.key, 9) = i.id::text
-                   ELSE jobrun.lock_id(k.key) = i.id
+        WHERE CASE WHEN pg_catalog.starts_with(k.key, 'lock-id:')
+                   THEN pg_catalog.substr(k.key, 9) {_EQ} i.id::pg_catalog.text
+                   ELSE jobrun.lock_id(k.key) {_EQ} i.id
                         OR EXISTS (SELECT 1 FROM pg_catalog.generate_series(0, 255) AS s (n)
-                                   WHERE jobrun.lock_id(k.key || E'\\nslot ' || s.n) = i.id)
+                                   WHERE jobrun.lock_id(k.key {_CAT} E'\\nslot '
+                                                        {_CAT} s.n::pg_catalog.text) {_EQ} i.id)
               END))
 $$;
 CREATE OR REPLACE FUNCTION jobrun.stamp_requester() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     NEW.username := session_user;
     RETURN NEW;
