@@ -423,26 +423,30 @@ def _take_away_as_owner(
 ) -> None:
     """take_lock_away for this role, after its own pg_terminate_backend was ``refused``."""
     params = {"key": label, "run_id": holder.run_id, "backend_pid": holder.backend_pid}
-    why = str(refused.diag.message_primary or refused)
     try:
         row = conn.execute(control_statements.STOP_TAKE_AWAY_AS_OWNER, params).fetchone()
     except (errors.UndefinedFunction, errors.InvalidSchemaName):
-        why += " (and jobrun init, whose take_lock_away acts for operators, was not run here)"
+        why = (
+            f"{refused.diag.message_primary or refused} (jobrun init, whose take_lock_away "
+            "acts for operators, was not run here)"
+        )
     except errors.InsufficientPrivilege as exc:
-        why += f"; nor may jobrun's owner: {exc.diag.message_primary or exc}"
+        why = (
+            "neither this role nor the owner of the jobrun schema may terminate another "
+            f"role's session ({exc.diag.message_primary or exc}): grant pg_signal_backend to "
+            "the owner, or run stop --force as the run's own role"
+        )
     else:
         if row is not None and row[0]:
             return
-        why += (
-            "; jobrun's owner took nothing either: this role may not control the key"
+        why = (
+            "this role may not control the key"
             if row is None or row[0] is None
-            else f"; jobrun's owner took nothing either: the backend holds no lock of run "
-            f"{holder.run_id} now, or is not that run's session"
+            else f"the backend holds no lock of run {holder.run_id} now, or is not its session"
         )
     raise CannotTakeAway(
         f"could not take the lock of {printable(label)} away from backend "
-        f"{holder.backend_pid}: {printable(why)}; grant pg_signal_backend to the owner of the "
-        "jobrun schema (or to this role), or run stop --force as the run's own role"
+        f"{holder.backend_pid}: {printable(why)}"
     ) from None
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from jobrun.testing import jobrun_cli
 from support.tenants import Teams, alone, end, ok, running_run_id, victim
@@ -98,6 +99,31 @@ class TestOperatorStopsAnyRun:
                 end(proc)  # it never lost its lock: the assertions above say why
                 raise
         assert proc.returncode == 76, stderr
+
+    def test_force_names_the_grant_where_the_owner_may_not_terminate(
+        self, fresh_dsn, role, tmp_path
+    ):
+        """Owner neither superuser nor in pg_signal_backend: --force is 69, naming the grant."""
+        database = conninfo_to_dict(fresh_dsn)["dbname"]
+        owner = role(f'GRANT CREATE ON DATABASE "{database}" TO {{role}}', database_dsn=fresh_dsn)
+        ok(jobrun_cli.run("init", dsn=owner))
+        team_a, operator = role(database_dsn=fresh_dsn), role(database_dsn=fresh_dsn)
+        ok(jobrun_cli.run("grant", Teams.role_of(team_a), "--keys", "a-*", dsn=owner))
+        ok(jobrun_cli.run("grant", Teams.role_of(operator), "--operator", dsn=owner))
+        teams = Teams(owner=owner, a=team_a, b=operator)
+        proc = victim(teams, "session", tmp_path / "child")
+        running_run_id(owner, "a-victim")
+        proc.send_signal(jobrun_cli.signal.SIGSTOP)
+        try:
+            forced = jobrun_cli.run(
+                "stop", "a-victim", "--wait", FROZEN_WAIT, "--force", dsn=operator
+            )
+            assert forced.returncode == 69, forced.stderr
+            assert "grant pg_signal_backend to the owner" in forced.stderr.splitlines()[-1]
+            alone(teams, "session")
+        finally:
+            proc.send_signal(jobrun_cli.signal.SIGCONT)
+            end(proc)
 
     def test_take_lock_away_called_without_a_stop_request_terminates_nothing(self, teams, tmp_path):
         """team_b calls jobrun.take_lock_away on team_a's run by hand: refused, the run goes on."""
