@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from jobrun.deadlocks import envelopes, records
 from jobrun.deadlocks.model import Entry
 from jobrun.deadlocks.prefix import Layout, PrefixChooser, prefix_pattern
-from jobrun.deadlocks.sources import container_lead, strip_lead
+from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 #: that goes while the lines read cannot tell the best layouts apart.
 SNIFF_LINES = 2000
 MAX_SNIFF_LINES = 32000
+#: Characters of those lines held at most: lines may each be LINE_LIMIT long.
+SNIFF_CHARS = 16 * 2**20
 #: JSON records read to tell their shape (CloudNativePG starts with the operator's own).
 SNIFF_RECORDS = 1000
 #: The start of a JSON array of records (``gcloud logging read --format=json``), as
@@ -33,6 +35,7 @@ SNIFF_RECORDS = 1000
 _ARRAY = re.compile(r"\[\s*(?:\{|\Z)")
 #: A DETAIL line of a deadlock pasted with no indentation at all.
 _BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
+_T = TypeVar("_T", str, "Line")
 _NOT_A_LOG = (
     "nothing in it looks like a PostgreSQL server log (stderr, csvlog, jsonlog, syslog, "
     "or a cloud export); if the stderr prefix is unusual, pass --log-line-prefix as set "
@@ -50,15 +53,20 @@ class Reading:
     why: str | None = None
     #: Continuation lines indented with spaces, counted while the entries are read.
     reindented: int = 0
+    #: Messages whose continuation lines went past LINE_LIMIT (the lines past it dropped).
+    cut: int = 0
 
 
-def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
+def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Reading:
     """The log's format and its entries (streamed: read them before the next file)."""
+    stream = iter(stream)
     head: list[str] = []
     for line in stream:  # blank lines before the first entry are kept: line numbers count them
         head.append(line)
         if line.strip():
             break
+        if len(head) > SNIFF_LINES:  # blank lines are not a log: keep the count, not them
+            head = [head[-1]]
     if not head or not head[-1].strip():
         return Reading("empty")
     lines: Iterator[str] = itertools.chain(head, stream)
@@ -74,7 +82,7 @@ def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
         return _json(envelopes.json_records(lines, array=False), source, prefix)
     if records.looks_like_csv(first):
         return Reading("csv", records.csv_entries(lines, source))
-    sniffed = list(itertools.islice(lines, SNIFF_LINES))
+    sniffed = _head(lines, SNIFF_LINES)
     envelope = envelopes.sniff_envelope(sniffed)
     rest = itertools.chain(sniffed, lines)
     if envelope is not None:
@@ -87,9 +95,9 @@ def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
 def _json(
     found: Iterator[tuple[int, dict[str, object]]], source: str, prefix: str | None
 ) -> Reading:
-    sniffed = list(itertools.islice(found, SNIFF_RECORDS))
-    rest = itertools.chain(sniffed, found)
-    for _, record in sniffed:
+    # The records before the first of a known shape are not kept: both readers skip them.
+    for number, record in itertools.islice(found, SNIFF_RECORDS):
+        rest = itertools.chain([(number, record)], found)
         shape = records.json_shape(record)
         if shape is not None:
             return Reading(shape, records.json_entries(rest, source))
@@ -107,7 +115,7 @@ def _stderr(
     fmt: str, lines: Iterator[Line], source: str, prefix: str | None, *, pid_known: bool
 ) -> Reading:
     """Entries of a stderr log, the prefix given or chosen from the first lines."""
-    sniffed = list(itertools.islice(lines, SNIFF_LINES))
+    sniffed = _head(lines, SNIFF_LINES)
     if prefix is not None:
         layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
     else:
@@ -116,8 +124,8 @@ def _stderr(
         layout, tied = chooser.best()
         # A quiet server's log can open with thousands of checkpoint lines, which every
         # layout with %q reads alike: read on until a session's line tells them apart.
-        while tied and len(sniffed) < MAX_SNIFF_LINES:
-            more = list(itertools.islice(lines, len(sniffed)))
+        while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
+            more = _head(lines, len(sniffed))
             if not more:
                 break
             sniffed += more
@@ -130,6 +138,26 @@ def _stderr(
         itertools.chain(sniffed, lines), source, layout.pattern, reading
     )
     return reading
+
+
+def _head(lines: Iterator[_T], count: int) -> list[_T]:
+    """The next ``count`` lines, fewer once they hold SNIFF_CHARS characters."""
+    taken: list[_T] = []
+    held = 0
+    for line in itertools.islice(lines, count):
+        taken.append(line)
+        held += _size(line)
+        if held >= SNIFF_CHARS:
+            break
+    return taken
+
+
+def _size(line: str | Line) -> int:
+    return len(line) if isinstance(line, str) else len(line[1])
+
+
+def _chars(lines: list[_T]) -> int:
+    return sum(map(_size, lines))
 
 
 def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few lines
@@ -146,10 +174,12 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
     current: Entry | None = None
     last_key: str | None = None
     indent: int | None = None
+    more: list[str] = []  # continuation lines of the field being read, joined at its end
+    room = 0  # characters that field may still grow by
     for number, raw, envelope_pid, envelope_time in lines:
         line = raw.rstrip("\r\n")
         if current is not None and line.startswith("\t"):
-            _continue(current, last_key, line[1:])
+            room = _more(more, line[1:], room, reading)
             continue
         match = pattern.match(line)
         if match is None:
@@ -159,10 +189,10 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
             if spaces and line.strip():
                 indent = spaces if indent is None else indent
                 reading.reindented += 1
-                _continue(current, last_key, line[min(indent, spaces) :])
+                room = _more(more, line[min(indent, spaces) :], room, reading)
             elif last_key == "detail" and _BARE_PROCESS.match(line):
                 reading.reindented += 1
-                _continue(current, last_key, line)
+                room = _more(more, line, room, reading)
             continue
         groups = match.groupdict()
         pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
@@ -174,11 +204,14 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
             and current is not None
             and current.pid == pid
         ):
+            _join(current, last_key, more)
             current.extra[severity.lower()] = groups["message"]
             last_key = severity.lower()
             indent = None
+            room = LINE_LIMIT - len(groups["message"])
             continue
         if current is not None:
+            _join(current, last_key, more)
             yield current
         current = Entry(
             source=source,
@@ -193,12 +226,28 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
         )
         last_key = None
         indent = None
+        room = LINE_LIMIT - len(current.message)
     if current is not None:
+        _join(current, last_key, more)
         yield current
 
 
-def _continue(entry: Entry, key: str | None, text: str) -> None:
+def _more(more: list[str], text: str, room: int, reading: Reading) -> int:
+    """Keep a continuation line while its field has room; the room left (-1: cut, counted)."""
+    if len(text) < room:
+        more.append(text)
+        return room - len(text) - 1
+    if room >= 0:
+        reading.cut += 1
+    return -1
+
+
+def _join(entry: Entry, key: str | None, more: list[str]) -> None:
+    """The field's continuation lines added to it, in one join (adding each is quadratic)."""
+    if not more:
+        return
     if key is None:
-        entry.message += "\n" + text
+        entry.message = "\n".join([entry.message, *more])
     else:
-        entry.extra[key] += "\n" + text
+        entry.extra[key] = "\n".join([entry.extra[key], *more])
+    more.clear()
