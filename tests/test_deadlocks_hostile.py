@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 HEAD = "2026-12-01 02:08:12.163 UTC [4177] jobs@staging jobrun:a "
 #: A deadlock as the victim logs it.
 DEADLOCK = (
-    f"{HEAD}ERROR:  deadlock detected\n"
+    f"{HEAD}ERROR:  deadlock detected\n"  # noqa: S608 - a log line, not a query
     f"{HEAD}DETAIL:  Process 4177 waits for ShareLock on transaction 7; blocked by process 4178.\n"
     "\tProcess 4178 waits for ShareLock on transaction 8; blocked by process 4177.\n"
     "\tProcess 4177: UPDATE a SET x = 1\n"
