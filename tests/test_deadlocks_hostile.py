@@ -68,7 +68,7 @@ class TestLongLines:
     """A line or a message longer than any server writes is cut, said so, and read past."""
 
     def test_a_long_line_is_cut_said_so_and_the_next_lines_read(self, tmp_path):
-        """A 17 MiB statement line: the file says one line cut, its deadlock after it found."""
+        """A statement line past the limit: one line cut, said so, the deadlock after it found."""
         log = tmp_path / "long.log"
         with log.open("w") as out:
             out.write(STATEMENT + "x" * (sources.LINE_LIMIT + 2**20) + "\n")
@@ -80,7 +80,7 @@ class TestLongLines:
         assert "jobrun:a" in result.stdout
 
     def test_a_message_of_endless_continuation_lines_is_cut_in_linear_time(self, tmp_path):
-        """17 MiB of tab-indented lines under one message: cut at the limit, read quickly."""
+        """Tab-indented lines past the limit under one message: cut there, read quickly."""
         log = tmp_path / "continued.log"
         piece = "\t" + "y" * 1023 + "\n"
         with log.open("w") as out:

@@ -53,8 +53,12 @@ class Reading:
     why: str | None = None
     #: Continuation lines indented with spaces, counted while the entries are read.
     reindented: int = 0
-    #: Messages whose continuation lines went past LINE_LIMIT (the lines past it dropped).
+    #: Messages (or csvlog records) that went past LINE_LIMIT: the text past it dropped.
     cut: int = 0
+
+    def count_cut(self) -> None:
+        """One more message cut."""
+        self.cut += 1
 
 
 def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Reading:
@@ -81,7 +85,9 @@ def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Read
     if start.startswith("{"):
         return _json(envelopes.json_records(lines, array=False), source, prefix)
     if records.looks_like_csv(first):
-        return Reading("csv", records.csv_entries(lines, source))
+        reading = Reading("csv")
+        reading.entries = records.csv_entries(lines, source, on_cut=reading.count_cut)
+        return reading
     sniffed = _head(lines, SNIFF_LINES)
     envelope = envelopes.sniff_envelope(sniffed)
     rest = itertools.chain(sniffed, lines)

@@ -18,9 +18,10 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
 #: Longest line kept, in characters: the rest of a longer line is dropped, never held. A
-#: server writes a line this long only for a one-line statement of 16 MiB; a file of one
-#: endless line would otherwise be held whole, several times over.
-LINE_LIMIT = 16 * 2**20
+#: server writes a line this long only for a one-line statement of 8 MiB; a file of one
+#: endless line would otherwise be held whole, several times over (a character may take
+#: 4 bytes in memory: a line at the limit and its few copies stay under 200 MiB).
+LINE_LIMIT = 8 * 2**20
 #: A compressed file is read on while what it unpacks to stays under UNPACK_FLOOR or under
 #: UNPACK_RATIO times the packed bytes read: real server logs pack at most about 170 to 1
 #: (xz, a quiet server's checkpoint lines), a decompression bomb 1,000 (gzip) to 800,000
@@ -72,8 +73,7 @@ class LogText:
                 # WARNING: the rest is read and dropped piece by piece: never joined, never held.
                 while (rest := readline(limit)) and not rest.endswith("\n"):
                     pass
-                line += "\n"
-            yield line
+            yield line  # without its newline: adding one would copy it
 
 
 class _Counted:
