@@ -64,17 +64,16 @@ class Reading:
 def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Reading:
     """The log's format and its entries (streamed: read them before the next file)."""
     stream = iter(stream)
-    head: list[str] = []
-    for line in stream:  # blank lines before the first entry are kept: line numbers count them
-        head.append(line)
+    blank = 0  # blank lines before the first entry: counted, not held; line numbers count them
+    first = ""
+    for line in stream:
         if line.strip():
+            first = line
             break
-        if len(head) > SNIFF_LINES:  # blank lines are not a log: keep the count, not them
-            head = [head[-1]]
-    if not head or not head[-1].strip():
+        blank += 1
+    if not first:
         return Reading("empty")
-    lines: Iterator[str] = itertools.chain(head, stream)
-    first = head[-1]
+    lines: Iterator[str] = itertools.chain(itertools.repeat("\n", blank), [first], stream)
     lead = container_lead(first)
     if lead is not None:
         lines = strip_lead(lines, lead)
