@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from jobrun.deadlocks import envelopes, records
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import Layout, PrefixChooser, prefix_pattern
+from jobrun.deadlocks.prefix import PREFIX_WINDOW, Layout, PrefixChooser, prefix_pattern
 from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
         if current is not None and line.startswith("\t"):
             room = _more(more, line[1:], room, reading)
             continue
-        match = pattern.match(line)
+        match = pattern.match(line, 0, PREFIX_WINDOW)  # the message runs on past it
         if match is None:
             if current is None:
                 continue  # output of a crashed extension, a pg_ctl message...
@@ -200,6 +200,7 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
                 room = _more(more, line, room, reading)
             continue
         groups = match.groupdict()
+        groups["message"] = line[match.start("message") :]
         pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
         if groups.get("session") and not groups.get("pid"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
