@@ -93,7 +93,9 @@ def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Read
     if envelope is not None:
         fmt = "logplex" if envelope is envelopes.LOGPLEX else "syslog"
         return _stderr(fmt, envelopes.unwrap(rest, envelope), source, prefix, pid_known=True)
-    plain = ((number, line, None, None) for number, line in enumerate(rest, start=1))
+    # zip, not a generator expression: tuples made in C, for the millions of lines of a log
+    none = itertools.repeat(None)
+    plain: Iterator[Line] = zip(itertools.count(1), rest, none, none)
     return _stderr("stderr", plain, source, prefix, pid_known=False)
 
 
@@ -165,7 +167,7 @@ def _chars(lines: list[_T]) -> int:
     return sum(map(_size, lines))
 
 
-def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few lines
+def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case a few lines
     lines: Iterable[Line], source: str, pattern: re.Pattern[str], reading: Reading
 ) -> Iterator[Entry]:
     """Entries of a stderr log.
@@ -200,7 +202,8 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
                 room = _more(more, line, room, reading)
             continue
         groups = match.groupdict()
-        groups["message"] = line[match.start("message") :]
+        if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
+            groups["message"] = line[match.start("message") :]
         pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
         if groups.get("session") and not groups.get("pid"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
@@ -210,14 +213,16 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
             and current is not None
             and current.pid == pid
         ):
-            _join(current, last_key, more)
+            if more:  # tested here: a call per entry costs a log of millions
+                _join(current, last_key, more)
             current.extra[severity.lower()] = groups["message"]
             last_key = severity.lower()
             indent = None
-            room = LINE_LIMIT - len(groups["message"])
+            room = LINE_LIMIT  # past the field's first line, which a line's limit bounds
             continue
         if current is not None:
-            _join(current, last_key, more)
+            if more:  # tested here: a call per entry costs a log of millions
+                _join(current, last_key, more)
             yield current
         current = Entry(
             source=source,
@@ -232,7 +237,7 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
         )
         last_key = None
         indent = None
-        room = LINE_LIMIT - len(current.message)
+        room = LINE_LIMIT
     if current is not None:
         _join(current, last_key, more)
         yield current
