@@ -204,30 +204,34 @@ def _check_values(params: dict[str, Any], dsn: str) -> None:
 def _problem(name: str, value: str) -> str | None:
     """What libpq would say is wrong with ``name=value`` (None: it would take it)."""
     if name == "port":
-        for port in value.split(","):
-            if port.strip() and not (
-                re.fullmatch(_INTEGER, port) and 1 <= int(port) <= _MAX_PORT
-            ):
-                return f'invalid port "{port}": a number from 1 to {_MAX_PORT}'
-        return None
+        bad = [port for port in value.split(",") if port.strip() and not _is_port(port)]
+        return f'invalid port "{bad[0]}": a number from 1 to {_MAX_PORT}' if bad else None
     if name == "hostaddr":
-        for addr in value.split(","):
-            try:
-                if addr.strip():
-                    ipaddress.ip_address(addr.strip())
-            except ValueError:
-                return f'invalid hostaddr "{addr}": a numeric IP address (host= takes a name)'
-        return None
+        bad = [addr for addr in value.split(",") if addr.strip() and not _is_address(addr)]
+        return (
+            f'invalid hostaddr "{bad[0]}": a numeric IP address (host= takes a name)'
+            if bad
+            else None
+        )
     if name in _INTEGERS:
-        if not re.fullmatch(_INTEGER, value):
-            return f'invalid {name} "{value}": a whole number'
-        return None
+        return None if re.fullmatch(_INTEGER, value) else f'invalid {name} "{value}": an integer'
     choices = _CHOICES[name]
-    if name in _ANY_CASE:
-        value, choices = value.lower(), tuple(choice.lower() for choice in choices)
-    if value not in choices:
-        return f'invalid {name} "{value}": one of {", ".join(c for c in choices if c)}'
-    return None
+    found = value.lower() if name in _ANY_CASE else value
+    if found in (choice.lower() if name in _ANY_CASE else choice for choice in choices):
+        return None
+    return f'invalid {name} "{value}": one of {", ".join(c for c in choices if c)}'
+
+
+def _is_port(text: str) -> bool:
+    return bool(re.fullmatch(_INTEGER, text)) and 1 <= int(text) <= _MAX_PORT
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip())
+    except ValueError:
+        return False
+    return True
 
 
 def _check_uri(dsn: str) -> None:
