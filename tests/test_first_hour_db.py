@@ -290,7 +290,9 @@ class TestRunsARestartKilled:
         proc, log = run_through_a_restart(
             server, key, tmp_path, connect_timeout=f"{connect_timeout:g}s", back='"history_retry"'
         )
-        assert proc.poll() is None, "the run gave up on its end row while the server was down"
+        if proc.poll() is not None:
+            _, stderr = proc.communicate()
+            pytest.fail(f"the run gave up on its end row while the server was down:\n{stderr}")
         server.start_again()
         _, stderr = proc.communicate(timeout=connect_timeout + NOTICE_BOUND)
         assert proc.returncode == 76, stderr
