@@ -68,10 +68,8 @@ def candidate_ids(label: str) -> list[int]:
 def holder_of(conn: Connection, label: str) -> Holder | None:
     """The run holding ``label`` now: its lease (lease mode) or its advisory lock (session)."""
     params = {"lock_ids": candidate_ids(label)}
-    try:
-        row = conn.execute(sql.STOP_LEASE_HOLDER, params).fetchone()
-    except errors.UndefinedTable:
-        row = None
+    *_, leases = messages.results(conn, sql.STOP_LEASE_HOLDER, params)
+    row = leases[0] if leases else None
     if row is not None:
         return _lease_holder(label, row)
     found = conn.execute(sql.SESSION_HOLDER_OF_ANY, params).fetchone()

@@ -110,12 +110,12 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
     """
     params = {"key": label, "need": "control", "lock_ids": control.candidate_ids(label)}
     try:
-        *_, granted, recorded, lease, session, labelled = messages.results(
+        *_, granted, recorded, _, _, lease, session, labelled = messages.results(
             conn,
             [
                 *statements.GRANT_CHECK,
                 statements.RECORDED_ANYWHERE,
-                sql.STOP_LEASE_HOLDER,
+                *sql.STOP_LEASE_HOLDER,
                 control_statements.STOP_SESSION_HOLDER,
                 sql.RUN_LABEL_DEFINED,
             ],

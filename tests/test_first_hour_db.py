@@ -224,6 +224,18 @@ class TestQuietServerLog:
 
         assert noise(logging_server, BOTH_MODES, action) == []
 
+    def test_stop_where_lease_mode_never_ran_logs_nothing(self, logging_server, key, tmp_path):
+        """``jobrun stop KEY`` on a database without jobrun.leases, and the run's end: silent."""
+        dsn = logging_server.dsn(SESSION_ONLY)
+
+        def action() -> None:
+            proc, _ = holder(tmp_path, key, dsn)
+            ran(0, "stop", key, dsn=dsn)()
+            _, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == 77, stderr
+
+        assert noise(logging_server, SESSION_ONLY, action) == []
+
 
 # --- runs a server restart killed ------------------------------------------------------------
 

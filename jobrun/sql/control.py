@@ -110,12 +110,37 @@ STOP_REQUESTS_PRUNE = """
 DELETE FROM jobrun.stop_requests WHERE requested_at < clock_timestamp() - interval '1 day'
 """
 
-#: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row.
-STOP_LEASE_HOLDER = """
-SELECT owner::text, host, pid, key FROM jobrun.leases
-WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND expires_at > clock_timestamp()
-ORDER BY lock_id LIMIT 1
-"""
+#: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row,
+#: in three statements of one message (bound on the client), so that a database where lease
+#: mode never ran (no ``jobrun.leases``) leaves no ERROR in the server's log: the ids in a
+#: setting, a DO block that reads the table only where it exists, the row it found.
+STOP_LEASE_HOLDER = (
+    (
+        "SELECT pg_catalog.set_config('jobrun.stop_ids', "
+        "%(lock_ids)s::bigint[]::pg_catalog.text, true)"
+    ),
+    """
+DO $jobrun$
+BEGIN
+  IF pg_catalog.to_regclass('jobrun.leases') IS NOT NULL THEN
+    PERFORM pg_catalog.set_config('jobrun.stop_lease', coalesce((
+      SELECT pg_catalog.row_to_json(l)::pg_catalog.text FROM (
+        SELECT owner, host, pid, key FROM jobrun.leases
+        WHERE lock_id OPERATOR(pg_catalog.=)
+                  ANY (pg_catalog.current_setting('jobrun.stop_ids')::bigint[])
+          AND expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()
+        ORDER BY lock_id LIMIT 1) AS l), ''), true);
+  END IF;
+END
+$jobrun$""",
+    """
+SELECT l.owner::pg_catalog.text, l.host, l.pid, l.key
+FROM pg_catalog.json_to_record(
+       nullif(pg_catalog.current_setting('jobrun.stop_lease', true), '')::pg_catalog.json)
+     AS l(owner pg_catalog.uuid, host pg_catalog.text, pid pg_catalog.int4, key pg_catalog.text)
+WHERE nullif(pg_catalog.current_setting('jobrun.stop_lease', true), '') IS NOT NULL
+""",
+)
 
 #: Whether the run still holds its lock: its lease (lease mode), or its lock session's
 #: advisory lock (session mode: the backend that held it when the stop was asked).
