@@ -18,11 +18,16 @@ MIN_FREE_CONNECTIONS = 5
 LOCK_TABLE_WARN = 0.5
 LOCK_TABLE_FAIL = 0.9
 _PERCENT = 100
-#: What makes jobrun's schema and tables creatable, or created (docs/operations.md).
-_CREATE_FIX = (
-    "fix: GRANT CREATE ON DATABASE <database> TO <role> (its first run creates them), or "
-    "have the owner run jobrun init, then jobrun grant <role> --keys PATTERN"
-)
+
+
+def _create_fix(conn: Connection) -> str:
+    """What makes jobrun's schema and tables creatable, or created (docs/operations.md)."""
+    role, database = (printable(name or "").replace('"', '""') for name in (
+        conn.info.user, conn.info.dbname))  # fmt: skip
+    return (
+        f'fix: GRANT CREATE ON DATABASE "{database}" TO "{role}" (its first run creates them), '
+        f"or have the owner run jobrun init, then jobrun grant {role} --keys PATTERN"
+    )
 
 
 def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
@@ -46,7 +51,8 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
                 lease_needed,
                 "schema",
                 "jobrun schema missing and this role may not create it (no CREATE on the "
-                f"database): lease mode cannot work and run history is not kept; {_CREATE_FIX}",
+                "database): lease mode cannot work and run history is not kept; "
+                + _create_fix(conn),
             )
         ]
     if not usage:
@@ -79,7 +85,7 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
             lacks = "CREATE on the database" if create_in_schema else "CREATE on the schema"
             why = (
                 f"missing, and this role may not create it (no {lacks}): {purpose} will "
-                f"not work; {_CREATE_FIX}"
+                f"not work; {_create_fix(conn)}"
             )
             findings.append(Finding(severity, name, why))
             continue
