@@ -115,6 +115,7 @@ def staging(tmp_path_factory) -> Iterator[tuple[PgServer, dict[str, str]]]:
         PGUSER="postgres",
         PGDATABASE="postgres",
         PATH=pipx_path(tmp_path_factory.mktemp("pipx-bin")),
+        PYTHONDONTWRITEBYTECODE="1",  # no __pycache__ of pgjob.py left in the tree
     )
     with server:
         yield server, env

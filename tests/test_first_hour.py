@@ -292,6 +292,7 @@ class TestExamples:
             "PGPORT": fresh_dsn.split("port=")[1].split()[0] if "port=" in fresh_dsn else "5432",
             "PGUSER": fresh_dsn.split("user=")[1].split()[0],
             "EXAMPLE_PAUSE": "0",
+            "PYTHONDONTWRITEBYTECODE": "1",  # no __pycache__ of pgjob.py left in the tree
         }
         for script in ("./invoices.py", "./refunds_fixed.py"):
             result = subprocess.run([script], cwd=EXAMPLE, env=env, capture_output=True,
