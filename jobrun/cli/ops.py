@@ -60,13 +60,15 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
         ]
     for note in found.notes:
         click.echo(f"jobrun: note: {printable(note)}", err=True)
+    # A key never recorded and not held has no row to show: an empty one would look real.
+    rows = [row for row in found.keys if row.key not in unknown or row.holder is not None]
     if as_json:
-        click.echo(json.dumps([row.as_json() for row in found.keys], indent=2))
-    elif found.keys:
-        click.echo(status.status_table(found.keys))
+        click.echo(json.dumps([row.as_json() for row in rows], indent=2))
+    elif rows:
+        click.echo(status.status_table(rows))
     elif found.unreadable:
         click.echo(f"nothing to show: {', '.join(found.unreadable)} not readable")
-    else:
+    elif not unknown:
         click.echo("nothing held, no run history")
     if check:
         # A check that could not look is no all-clear (the notes above say what was refused).
