@@ -123,7 +123,7 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     drawn = model.build(labels, read.bars, read.marks, now=now, since=since)
     drawn.notes = read.notes + drawn.notes
     title = "jobrun timeline: " + (", ".join(labels) or "scheduled jobs")
-    for path, text in ((html_path, render.page(drawn, title)), (svg_path, render.svg(drawn))):
+    for path, text in ((html_path, render.page(drawn, title)), (svg_path, render.image(drawn))):
         if path is not None:
             _write(path, text if text.endswith("\n") else text + "\n")
             if path != "-":
