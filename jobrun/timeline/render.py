@@ -116,6 +116,12 @@ _SCRIPT = """
     tip.hidden = false;
   });
   document.body.setAttribute("data-runs", String(svg.querySelectorAll(".run").length));
+  // Where each picture landed on the page, for a test that reads a screenshot's pixels.
+  Array.prototype.forEach.call(document.querySelectorAll("svg.timeline"), function (one) {
+    var box = one.getBoundingClientRect();
+    one.setAttribute("data-page-left", String(Math.round(box.left + window.scrollX)));
+    one.setAttribute("data-page-top", String(Math.round(box.top + window.scrollY)));
+  });
   document.body.setAttribute("data-ready", "true");
 })();
 """
