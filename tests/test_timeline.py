@@ -251,9 +251,7 @@ class TestHistory:
         assert classes == [f"run outcome-{outcome}" for outcome in outcomes]
         assert len(page.with_id("skip-")) == 1
 
-    def test_the_databases_count_during_a_run_goes_on_the_database_lane(
-        self, dsn, key, tmp_path
-    ):
+    def test_the_databases_count_during_a_run_goes_on_the_database_lane(self, dsn, key, tmp_path):
         """deadlocks = 2 in the row (any session's): the count on the database lane, over it."""
         marked = insert(dsn, key, 300, 200, deadlocks=2)
         insert(dsn, key, 100, 50, deadlocks=0)

@@ -16,11 +16,11 @@ import zlib
 from typing import TYPE_CHECKING
 
 import psycopg
+from test_timeline import Elements, chromium, headless
 
 from jobrun.testing import jobrun_cli
 from jobrun.timeline import model
 from support.history import ensure_runs_table
-from test_timeline import Elements, chromium, headless
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -90,18 +90,22 @@ def insert(
     return run_id
 
 
+#: A server log (``%m [%p] %q%u@%d %a``): pid 100 (FIRST) and pid 200 (SECOND) deadlock.
+DEADLOCK = (
+    "WHEN [100] u@db FIRST ERROR:  deadlock detected\n"
+    "WHEN [100] u@db FIRST DETAIL:  Process 100 waits for "
+    "ShareLock on transaction 7; blocked by process 200.\n"
+    "\tProcess 200 waits for ShareLock on transaction 8; blocked by process 100.\n"
+    "\tProcess 100: UPDATE accounts SET x = 1\n"
+    "\tProcess 200: UPDATE accounts SET x = 2\n"
+    "WHEN [200] u@db SECOND LOG:  duration: 1.0 ms\n"
+)
+
+
 def server_log(when: dt.datetime, first: str, second: str) -> str:
-    """A server log (``%m [%p] %q%u@%d %a``): pid 100 (``first``) and 200 deadlock at WHEN."""
+    """DEADLOCK at ``when``, its sides' application names ``first`` and ``second``."""
     stamp = when.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
-    return (
-        f"{stamp} [100] u@db {first} ERROR:  deadlock detected\n"
-        f"{stamp} [100] u@db {first} DETAIL:  Process 100 waits for "
-        "ShareLock on transaction 7; blocked by process 200.\n"
-        "\tProcess 200 waits for ShareLock on transaction 8; blocked by process 100.\n"
-        "\tProcess 100: UPDATE accounts SET x = 1\n"
-        "\tProcess 200: UPDATE accounts SET x = 2\n"
-        f"{stamp} [200] u@db {second} LOG:  duration: 1.0 ms\n"
-    )
+    return DEADLOCK.replace("WHEN", stamp).replace("FIRST", first).replace("SECOND", second)
 
 
 # --- the page in Chromium: its DOM, and its screenshot's pixels --------------------------------
@@ -166,11 +170,11 @@ class Png:
                 up, corner = previous[i], previous[i - self.step] if i >= self.step else 0
                 if kind == 1:
                     line[i] = (line[i] + left) & 0xFF
-                elif kind == 2:  # noqa: PLR2004 - PNG filter types
+                elif kind == 2:
                     line[i] = (line[i] + up) & 0xFF
-                elif kind == 3:  # noqa: PLR2004
+                elif kind == 3:
                     line[i] = (line[i] + (left + up) // 2) & 0xFF
-                elif kind == 4:  # noqa: PLR2004
+                elif kind == 4:
                     guess = left + up - corner
                     near = min(
                         (abs(guess - left), 0), (abs(guess - up), 1), (abs(guess - corner), 2)
@@ -196,7 +200,7 @@ def hue(pixel: tuple[int, int, int]) -> float:
 def luminance(pixel: tuple[int, int, int]) -> float:
     """WCAG relative luminance."""
     parts = [c / 255 for c in pixel]
-    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in parts]  # noqa: PLR2004
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in parts]
     return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
 
 
@@ -361,7 +365,8 @@ class TestTiedMarksInChromium:
         assert ran.returncode == 0, ran.stderr
         with psycopg.connect(dsn) as conn:
             row = conn.execute(
-                "SELECT started_at + (finished_at - started_at) / 2 FROM jobrun.runs WHERE key = %s",
+                "SELECT started_at + (finished_at - started_at) / 2"
+                " FROM jobrun.runs WHERE key = %s",
                 (key,),
             ).fetchone()
         assert row is not None
@@ -400,7 +405,7 @@ class TestNightsInChromium:
                 if "run" in run.get("class", "").split():
                     offsets[run["data-lane"]].add(float(run["y"]) - top)
         assert all(len(found) == 1 for found in offsets.values()), offsets
-        assert len({found.pop() for found in offsets.values()}) == 3  # noqa: PLR2004
+        assert len({found.pop() for found in offsets.values()}) == 3
 
     def test_the_first_picture_shows_each_nights_run_wide(self, dsn, key, tmp_path):
         """Thirty nights of 25-minute runs: the page's first picture draws each over 100px."""
@@ -417,7 +422,7 @@ class TestNightsInChromium:
             if "run" in r.get("class", "").split()
         ]
         assert len(widths) == 30
-        assert min(widths) > 100  # noqa: PLR2004
+        assert min(widths) > 100
 
 
 class TestColoursInChromium:
@@ -448,5 +453,5 @@ class TestColoursInChromium:
             sx, sy = band(swatches[run["data-outcome"]], left, top)
             own = shot.at(sx[len(sx) // 2], sy[len(sy) // 2])
             outcome = run["data-outcome"]
-            assert abs(hue(drawn) - hue(own)) < 8, f"{outcome}: {drawn} drawn, {own} its own"  # noqa: PLR2004
-            assert contrast(drawn, shade) >= 3, f"{outcome}: {drawn} against {shade}"  # noqa: PLR2004
+            assert abs(hue(drawn) - hue(own)) < 8, f"{outcome}: {drawn} drawn, {own} its own"
+            assert contrast(drawn, shade) >= 3, f"{outcome}: {drawn} against {shade}"
