@@ -120,6 +120,8 @@ class Tie:
 
     bar: Bar
     by: str
+    #: The side of the deadlock that is this run.
+    party: Party | None = None
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ def tie(marks: Iterable[Mark], bars: Sequence[Bar], now: dt.datetime) -> list[Ma
     """
     tied = []
     for mark in marks:
-        ties: dict[Bar, str] = {}
+        ties: dict[Bar, tuple[str, Party]] = {}
         for party in mark.parties:
             for bar in bars:
                 if bar in ties or not bar.going_at(mark.at, now):
@@ -259,10 +261,12 @@ def tie(marks: Iterable[Mark], bars: Sequence[Bar], now: dt.datetime) -> list[Ma
                 if bar.pid is not None:
                     # A session bar is that one session: its pid, not its name, says so.
                     if bar.pid == party.pid:
-                        ties[bar] = f"backend pid {party.pid}"
+                        ties[bar] = (f"backend pid {party.pid}", party)
                 elif bar.app is not None and bar.app == party.application:
-                    ties[bar] = f"application_name {party.application}"
-        tied.append(replace(mark, ties=tuple(Tie(bar, by) for bar, by in ties.items())))
+                    ties[bar] = (f"application_name {party.application}", party)
+        tied.append(
+            replace(mark, ties=tuple(Tie(bar, by, party) for bar, (by, party) in ties.items()))
+        )
     return tied
 
 

@@ -538,7 +538,7 @@ def _sides(mark: Mark) -> list[str]:
         runs = [
             f"{tie.bar.lane}" + (f" run {tie.bar.run_id}" if tie.bar.run_id else "")
             for tie in mark.ties
-            if tie.by.endswith(f" {party.pid}") or tie.by.endswith(f" {party.application}")
+            if tie.party == party
         ]
         lines.append(
             f"  {party.name} (pid {party.pid}): "
