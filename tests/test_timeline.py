@@ -251,16 +251,17 @@ class TestHistory:
         assert classes == [f"run outcome-{outcome}" for outcome in outcomes]
         assert len(page.with_id("skip-")) == 1
 
-    def test_a_run_with_deadlocks_carries_their_count(self, dsn, key, tmp_path):
-        """deadlocks = 2 in the row: a mark on its bar with the count; none on the other."""
+    def test_the_databases_count_during_a_run_goes_on_the_database_lane(self, dsn, key, tmp_path):
+        """deadlocks = 2 in the row (any session's): the count on the database lane, over it."""
         marked = insert(dsn, key, 300, 200, deadlocks=2)
         insert(dsn, key, 100, 50, deadlocks=0)
         page = draw(tmp_path, key, dsn=dsn)
-        marks = [g for tag, g in page.found if tag == "g" and "run-deadlocks" in g.get("class", "")]
+        counts = [g for g in page.tag("g") if "database-count" in g.get("class", "")]
         runs = {run["id"]: run for run in page.with_id("run-")}
         assert [
-            (runs[m["data-run"]]["data-run-id"], m["data-count"]) for m in marks if "data-run" in m
+            (runs[g["data-run"]]["data-run-id"], g["data-count"]) for g in counts if "data-run" in g
         ] == [(marked, "2")]
+        assert [g["data-lane"] for g in page.with_id("database-lane")] == ["database"]
 
     def test_hover_text_names_run_host_exit_code_duration_outcome(self, dsn, key, tmp_path):
         """The bar's hover text: run id, host, exit code, duration, outcome."""

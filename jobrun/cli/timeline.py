@@ -30,7 +30,8 @@ DEFAULT_LIMIT = 20_000
     "server_logs",
     multiple=True,
     metavar="FILE",
-    help="A PostgreSQL server log: each deadlock in it is a vertical mark.",
+    help="A PostgreSQL server log: each deadlock in it is marked on the runs its sides "
+    "name (else on a database lane).",
 )
 @options.log_line_prefix
 @click.option(
@@ -82,9 +83,12 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     """Draw the runs of each KEY as a lane, their overlaps and deadlocks, to a file.
 
     A bar per run, coloured by outcome, a tick per skip; the windows where runs of two or
-    more lanes overlapped shaded across the lanes; a run with deadlocks in the database
-    while it ran carries their count; each deadlock of a --log as a vertical line. Hover
-    shows run id, host, exit code, duration and outcome. KEY is read from the run history;
+    more lanes overlapped shaded on those lanes, under the bars. A deadlock of a --log is
+    marked on a run only when the log ties a side of it to that run (application_name
+    jobrun:KEY, or a --sessions-from session's backend pid); else, and the database's own
+    counts during runs, on a database lane. Several days: a row per night, each key in its
+    own place every night. Hover shows run id, host, exit code, duration and outcome. KEY
+    is read from the run history;
     jobs that did not run under jobrun come from --cron-log, --journal or --sessions-from
     (one lane per command, unit or application). The file is self-contained: no network.
     Exit status: 0 when written, 66 when a log cannot be read, 65 when a --log is not a
@@ -123,7 +127,7 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     drawn = model.build(labels, read.bars, read.marks, now=now, since=since)
     drawn.notes = read.notes + drawn.notes
     title = "jobrun timeline: " + (", ".join(labels) or "scheduled jobs")
-    for path, text in ((html_path, render.page(drawn, title)), (svg_path, render.svg(drawn))):
+    for path, text in ((html_path, render.page(drawn, title)), (svg_path, render.image(drawn))):
         if path is not None:
             _write(path, text if text.endswith("\n") else text + "\n")
             if path != "-":

@@ -3,14 +3,21 @@
 Plain data, no database and no file: the command reads the run history or the logs, this
 module turns them into bars, overlap windows and marks (tested without a browser), and
 render.py draws them. Every time here is timezone-aware UTC.
+
+A deadlock is tied to a run only by what the server log says of its sides: the
+application name a run's sessions carry (``jobrun:<key>``), or the backend pid of a
+session drawn from the log. Being busy at that moment ties nothing: a deadlock no side of
+which names a run shown goes to the database lane.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from jobrun.db.connecting import application_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -34,6 +41,12 @@ SKIPPED = "skipped"
 #: A bar from a scheduler's or the server's log: its outcome is not known.
 LOGGED = "logged"
 UTC = dt.timezone.utc
+#: A log's time and the history's are the same server's clock, but ``%t`` logs whole
+#: seconds: a side is tied to a run going within this much of the deadlock's moment.
+TIE_SLACK = dt.timedelta(seconds=1)
+#: On the night-by-night axis a run's end counts this long after its start at most: one
+#: run left ``running`` for days must not stretch every night's hours to a sliver.
+LONGEST_NIGHT_RUN = dt.timedelta(hours=6)
 #: A log time's zone as the server writes it after the time: ``UTC``, ``Z``, ``+01``, ``-0530``.
 _ZONE = re.compile(
     r"\d\d:\d\d(?:\.\d+)?\s*(?:(?P<utc>UTC|GMT|Z)|(?P<offset>[+-]\d\d(?::?\d\d)?))\b"
@@ -56,6 +69,10 @@ class Bar:
     #: Where a bar from a log was read (``file line N``), and how its end is known.
     where: str | None = None
     end_from: str | None = None
+    #: The application_name its sessions carry (``jobrun:<key>`` for a run of the history).
+    app: str | None = None
+    #: The server's backend pid, for a bar that is one session of the server log.
+    pid: int | None = None
 
     @property
     def skip(self) -> bool:
@@ -70,6 +87,10 @@ class Bar:
         """Seconds from start to end (to ``now`` while running)."""
         return (self.until(now) - self.start).total_seconds()
 
+    def going_at(self, when: dt.datetime, now: dt.datetime) -> bool:
+        """Ran at ``when``, give or take TIE_SLACK (a skip ran nothing)."""
+        return not self.skip and self.start - TIE_SLACK <= when <= self.until(now) + TIE_SLACK
+
 
 @dataclass(frozen=True)
 class Overlap:
@@ -81,12 +102,44 @@ class Overlap:
 
 
 @dataclass(frozen=True)
+class Party:
+    """One side of a deadlock as the log names it: backend pid, application name if any."""
+
+    pid: int | None
+    application: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The application name, else ``pid N``."""
+        return self.application or f"pid {self.pid}"
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A run the log ties to a deadlock, and by what (``application_name jobrun:x``...)."""
+
+    bar: Bar
+    by: str
+    #: The side of the deadlock that is this run.
+    party: Party | None = None
+
+
+@dataclass(frozen=True)
 class Mark:
-    """A deadlock's moment in a server log, and who its sides were."""
+    """A deadlock's moment in a server log, who its sides were, and the runs they tie to."""
 
     at: dt.datetime
     where: str
     sides: tuple[str, ...]
+    parties: tuple[Party, ...] = ()
+    #: Filled by ``build``: the runs shown that a side of the deadlock was (none: the
+    #: deadlock goes to the database lane).
+    ties: tuple[Tie, ...] = ()
+
+    @property
+    def tied(self) -> bool:
+        """Some run shown is tied to it."""
+        return bool(self.ties)
 
 
 @dataclass
@@ -102,6 +155,17 @@ class Timeline:
     now: dt.datetime
     #: Things worth saying under the picture (a lane with no runs, rows left out...).
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def database_lane(self) -> bool:
+        """Whether the database has a lane: for deadlocks tied to no run, or counted in runs.
+
+        A run's history counts the database's deadlocks (any session's) while it ran: that
+        count is the database's, drawn on its lane, not a mark on the run.
+        """
+        return any(not mark.tied for mark in self.marks) or any(
+            bar.deadlocks for bar in self.bars if not bar.skip
+        )
 
 
 def overlaps(bars: Iterable[Bar], now: dt.datetime) -> list[Overlap]:
@@ -168,7 +232,7 @@ def build(
         lanes=order,
         bars=sorted(bars, key=lambda bar: (bar.start, bar.lane)),
         overlaps=overlaps(bars, now),
-        marks=sorted(marks, key=lambda mark: mark.at),
+        marks=sorted(tie(marks, bars, now), key=lambda mark: mark.at),
         start=start,
         end=end,
         now=now,
@@ -178,6 +242,32 @@ def build(
 
 def _busy(bars: Iterable[Bar]) -> set[str]:
     return {bar.lane for bar in bars}
+
+
+def tie(marks: Iterable[Mark], bars: Sequence[Bar], now: dt.datetime) -> list[Mark]:
+    """Each mark with the runs its sides were, by what the log says of each side.
+
+    A session from the server log is tied by its backend pid; a run of the history (or any
+    bar whose sessions carry a known application_name) by that name. Both only while the
+    bar was going: pids and names are reused.
+    """
+    tied = []
+    for mark in marks:
+        ties: dict[Bar, tuple[str, Party]] = {}
+        for party in mark.parties:
+            for bar in bars:
+                if bar in ties or not bar.going_at(mark.at, now):
+                    continue
+                if bar.pid is not None:
+                    # A session bar is that one session: its pid, not its name, says so.
+                    if bar.pid == party.pid:
+                        ties[bar] = (f"backend pid {party.pid}", party)
+                elif bar.app is not None and bar.app == party.application:
+                    ties[bar] = (f"application_name {party.application}", party)
+        tied.append(
+            replace(mark, ties=tuple(Tie(bar, by, party) for bar, (by, party) in ties.items()))
+        )
+    return tied
 
 
 def history_bars(rows: Iterable[Mapping[str, Any]]) -> list[Bar]:
@@ -192,6 +282,8 @@ def history_bars(rows: Iterable[Mapping[str, Any]]) -> list[Bar]:
             host=row["host"],
             exit_code=row["exit_code"],
             deadlocks=row["deadlocks"],
+            # What jobrun names the child's sessions (PGAPPNAME) and its own.
+            app=application_name(str(row["key"])),
         )
         for row in rows
     ]
@@ -205,6 +297,7 @@ def _logged(
     where: str,
     end_from: str | None,
     host: str | None = None,
+    pid: int | None = None,
 ) -> Bar:
     """A bar read from a log (outcome LOGGED), its times in UTC; ``end`` None: no end seen."""
     return Bar(
@@ -215,6 +308,7 @@ def _logged(
         host=host,
         where=where,
         end_from=end_from,
+        pid=pid,
     )
 
 
@@ -239,6 +333,7 @@ def session_bars(sessions: Iterable[Session], *, until: dt.datetime | None = Non
             host=session.host,
             end_from="logged" if session.end is not None else "end of log",
             where=f"pid {session.pid}",
+            pid=session.pid,
         )
         for session in sessions
     ]
@@ -253,12 +348,13 @@ def deadlock_marks(deadlocks: Iterable[Deadlock]) -> list[Mark]:
         when = moment(deadlock.time)
         if when is None:
             continue
-        sides = tuple(side.application or f"pid {side.pid}" for side in deadlock.sides)
+        parties = tuple(Party(side.pid, side.application) for side in deadlock.sides)
         marks.append(
             Mark(
                 log_time(deadlock.time or "", when),
                 f"{deadlock.source} line {deadlock.line}",
-                sides,
+                tuple(party.name for party in parties),
+                parties,
             )
         )
     return marks
@@ -300,34 +396,42 @@ def nights(timeline: Timeline) -> list[Night]:
     """The timeline cut into days: the same hours of each night one above another.
 
     A run belongs to the day it started (one past midnight stays whole); an overlap window
-    to the day it opened; a mark to its own day. Days with nothing on them are left out.
+    to the day it opened; a mark to the day of the run it is tied to (so that it sits on
+    that run past midnight), or its own day. Days with nothing on them are left out.
+    Every night has every lane, in the timeline's order, busy or not: a key keeps its
+    place from one night to the next.
     """
     days: dict[dt.date, Night] = {}
 
     def night(when: dt.datetime) -> Night:
         day = when.date()
-        return days.setdefault(day, Night(day, [], [], [], []))
+        return days.setdefault(day, Night(day, list(timeline.lanes), [], [], []))
 
     for bar in timeline.bars:
         night(bar.start).bars.append(bar)
     for window in timeline.overlaps:
         night(window.start).overlaps.append(window)
     for mark in timeline.marks:
-        night(mark.at).marks.append(mark)
-    for one in days.values():
-        busy = {bar.lane for bar in one.bars}
-        one.lanes = [lane for lane in timeline.lanes if lane in busy]
+        night(mark.ties[0].bar.start if mark.ties else mark.at).marks.append(mark)
     return [days[day] for day in sorted(days)]
 
 
+def night_end(bar: Bar, now: dt.datetime) -> dt.datetime:
+    """Where a bar ends on the night-by-night axis: LONGEST_NIGHT_RUN after its start at most."""
+    return min(bar.until(now), bar.start + LONGEST_NIGHT_RUN)
+
+
 def hours_shown(found: Sequence[Night], now: dt.datetime) -> tuple[float, float]:
-    """The seconds after midnight the nights' axis runs from and to (everything on it)."""
+    """The seconds after midnight the nights' axis runs from and to (everything on it).
+
+    A run longer than LONGEST_NIGHT_RUN counts only that far: it is drawn cut at the edge.
+    """
     offsets = [
         (moment - one.midnight).total_seconds()
         for one in found
         for moment in [
             *(bar.start for bar in one.bars),
-            *(bar.until(now) for bar in one.bars),
+            *(night_end(bar, now) for bar in one.bars),
             *(mark.at for mark in one.marks),
         ]
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from jobrun.durations import format_seconds
@@ -21,52 +22,77 @@ from jobrun.timeline import model
 from jobrun.timeline.model import LOGGED, OUTCOMES, SKIPPED
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from jobrun.timeline.model import Bar, Mark, Overlap, Timeline
 
 WIDTH = 1200
 LABELS = 260
+#: Where a lane's label starts; a night's track labels start further in, after the date.
+LABEL_X = 6
+TRACK_LABEL_X = 72
 RIGHT = 20
 TOP = 40
 LANE = 30
 BAR = 18
-LEGEND = 56
-NIGHT_GAP = 10
+LEGEND = 76
 DAY = 86400
+#: The night-by-night overview: a row per night, in it a track per key (and the database's)
+#: this high, a bar this high in it, rows this far apart.
+TRACK = 15
+TRACK_BAR = 9
+ROW_PAD = 3
+NIGHT_GAP = 6
 #: A run shorter than a pixel is still drawn this wide, so that no run is invisible.
 MIN_BAR = 2.0
-_COLOURS = {
+#: The lane where deadlocks no run is tied to go, and the database's own counts.
+DATABASE = "database"
+DATABASE_LABEL = "database (deadlocks tied to no run shown)"
+#: Each outcome's colour: at least 3:1 against the lane and against an overlap's shading
+#: (SHADED), which is drawn under the bars so that a bar keeps its own colour in it.
+COLOURS = {
     "succeeded": "#2e7d32",
     "failed": "#c62828",
-    "timed_out": "#ef6c00",
+    "timed_out": "#c75b00",
     "lock_lost": "#6a1b9a",
     "stopped": "#455a64",
     "abandoned": "#8d6e63",
     "running": "#1565c0",
     "exec_failed": "#ad1457",
     LOGGED: "#607d8b",
-    "other": "#9e9e9e",
+    "other": "#757575",
 }
+LANE_BG = "#f5f5f5"
+SHADING = "#ffc107"
+SHADING_OPACITY = 0.28
+#: The lane's background under an overlap's shading, as the browser paints it.
+SHADED = "#f8e6b2"
+MARK = "#d50000"
 #: Axis steps to choose from (seconds): the smallest that leaves at most a dozen ticks.
 _STEPS = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400, 2 * 86400, 7 * 86400)
 _MAX_TICKS = 12
 
-_STYLE = """
-svg.timeline { font: 12px sans-serif; background: #fff; }
-svg.timeline .lane-bg { fill: #f5f5f5; }
-svg.timeline .lane-label { fill: #212121; }
-svg.timeline .axis line { stroke: #bdbdbd; }
-svg.timeline .axis text { fill: #616161; font-size: 11px; }
-svg.timeline .overlap { fill: #ffc107; fill-opacity: 0.28; stroke: #ffa000; stroke-opacity: 0.6; }
-svg.timeline .skip { stroke: #212121; stroke-width: 2; }
-svg.timeline .run-deadlocks path { fill: #d50000; stroke: #fff; stroke-width: 1; }
-svg.timeline .run-deadlocks text { fill: #d50000; font-size: 10px; font-weight: bold; }
-svg.timeline .deadlock-mark { stroke: #d50000; stroke-width: 1.5; stroke-dasharray: 4 3; }
-svg.timeline .run:hover, svg.timeline .deadlock-mark:hover { stroke: #000; stroke-width: 2; }
+_STYLE = f"""
+svg.timeline {{ font: 12px sans-serif; background: #fff; }}
+svg.timeline .lane-bg {{ fill: {LANE_BG}; }}
+svg.timeline .lane-label {{ fill: #212121; }}
+svg.timeline .track-label {{ fill: #616161; font-size: 10px; }}
+svg.timeline .night-label {{ fill: #212121; font-weight: bold; }}
+svg.timeline .night-bg {{ fill: #fff; stroke: #e0e0e0; }}
+svg.timeline .axis line {{ stroke: #bdbdbd; }}
+svg.timeline .axis text {{ fill: #616161; font-size: 11px; }}
+svg.timeline .overlap {{ fill: {SHADING}; fill-opacity: {SHADING_OPACITY}; }}
+svg.timeline .overlap rect {{ stroke: #ffa000; stroke-opacity: 0.6; }}
+svg.timeline .skip {{ stroke: #212121; stroke-width: 2; }}
+svg.timeline .database-count rect {{ fill: none; stroke: #757575; stroke-dasharray: 3 2; }}
+svg.timeline .database-count text {{ fill: #424242; font-size: 10px; }}
+svg.timeline .deadlock-mark {{ stroke: {MARK}; stroke-width: 2; }}
+svg.timeline .deadlock-halo {{ stroke: #fff; stroke-width: 4; }}
+svg.timeline .run:hover {{ stroke: #000; stroke-width: 2; }}
+svg.timeline .deadlock:hover .deadlock-mark {{ stroke: #000; }}
 """
 _STYLE += "".join(
-    f"svg.timeline .outcome-{name} {{ fill: {colour}; }}\n" for name, colour in _COLOURS.items()
+    f"svg.timeline .outcome-{name} {{ fill: {colour}; }}\n" for name, colour in COLOURS.items()
 )
 
 _PAGE_STYLE = """
@@ -90,6 +116,12 @@ _SCRIPT = """
     tip.hidden = false;
   });
   document.body.setAttribute("data-runs", String(svg.querySelectorAll(".run").length));
+  // Where each picture landed on the page, for a test that reads a screenshot's pixels.
+  Array.prototype.forEach.call(document.querySelectorAll("svg.timeline"), function (one) {
+    var box = one.getBoundingClientRect();
+    one.setAttribute("data-page-left", String(Math.round(box.left + window.scrollX)));
+    one.setAttribute("data-page-top", String(Math.round(box.top + window.scrollY)));
+  });
   document.body.setAttribute("data-ready", "true");
 })();
 """
@@ -122,50 +154,122 @@ class _Scale:
         return LABELS + min(max(share, 0.0), 1.0) * self.width
 
 
-def _lane_opened(attributes: str, lane: str, label: str, y: float) -> str:
-    """A lane's ``<g>`` opened at ``y``: its background and ``label`` (the whole name on hover).
+@dataclass(frozen=True)
+class _Row:
+    """Where one lane (or the database's) is drawn: its top, its height, its bars' height."""
+
+    y: float
+    height: float
+    bar: float
+
+
+@dataclass
+class _Drawn:
+    """What one picture (or one night) put where: rows by lane, and each bar's id and row."""
+
+    rows: dict[str, _Row] = field(default_factory=dict)
+    runs: dict[Bar, tuple[str, _Row]] = field(default_factory=dict)
+    database: _Row | None = None
+
+
+def _lane_opened(
+    attributes: str, lane: str, label: str, row: _Row, *, label_x: float = LABEL_X
+) -> str:
+    """A lane's ``<g>`` opened at ``row`` with its ``label`` (the whole name on hover).
 
     ``label`` is already escaped; the caller closes the group after the lane's bars.
     """
+    return f'<g {attributes} data-lane="{_text(lane)}">' + _label(label, lane, row, label_x)
+
+
+def _label(label: str, whole: str, row: _Row, label_x: float) -> str:
+    """A row's ``label`` (escaped already), ``whole`` (raw) on hover; a track's is smaller."""
+    cls = "track-label" if label_x > LABEL_X else "lane-label"
     return (
-        f'<g {attributes} data-lane="{_text(lane)}">'
-        f'<rect class="lane-bg" x="0" y="{y + 2}" width="{WIDTH}" height="{LANE - 4}"/>'
-        f'<text class="lane-label" x="6" y="{y + LANE / 2 + 4}">'
-        f"{label}<title>{_text(lane)}</title></text>"
+        f'<text class="{cls}" x="{label_x}" y="{row.y + row.height / 2 + 4:.1f}">'
+        f"{label}<title>{_text(whole)}</title></text>"
     )
 
 
-def _over_lanes(
-    overlaps: Iterable[Overlap],
-    marks: Iterable[Mark],
+def _backgrounds(drawn: _Drawn) -> list[str]:
+    """Every row's background, under the overlaps' shading, which is under the bars."""
+    rows = [*drawn.rows.values(), *([drawn.database] if drawn.database else [])]
+    inset = 2 if rows and rows[0].height >= LANE else 0
+    return [
+        f'<rect class="lane-bg" x="{LABELS if inset == 0 else 0}" y="{row.y + inset}" '
+        f'width="{WIDTH - (LABELS if inset == 0 else 0)}" height="{row.height - 2 * inset}"/>'
+        for row in rows
+    ]
+
+
+def _lanes(
+    drawn: _Drawn,
+    bars: Iterable[Bar],
     prefix: str,
     scale: _Scale,
-    span: tuple[float, float],
+    now: dt.datetime,
     *,
-    inset: tuple[float, float] = (0, 0),
+    label: Callable[[str], str],
+    label_x: float = LABEL_X,
+    cut: bool = False,
 ) -> list[str]:
-    """Overlap windows and deadlock marks across lanes from ``span``'s top to its bottom.
+    """Each lane's group: its label and its bars, each bar's id and row kept in ``drawn``."""
+    parts = []
+    numbered = list(enumerate(bars))
+    for index, (lane, row) in enumerate(drawn.rows.items()):
+        attributes = (
+            f'class="lane" id="lane-{index}"'
+            if not prefix
+            else f'class="night-lane" data-track="{index}"'
+        )
+        parts.append(_lane_opened(attributes, lane, label(lane), row, label_x=label_x))
+        for number, bar in numbered:
+            if bar.lane != lane:
+                continue
+            ident = f"{prefix}run-{number}"
+            drawn.runs[bar] = (ident, row)
+            end = model.night_end(bar, now) if cut else bar.until(now)
+            parts.append(_bar(bar, ident, scale, now, row, end))
+        parts.append("</g>")
+    return parts
 
-    The marks are drawn ``inset`` in from the top and from the bottom.
-    """
-    top, bottom = span
-    return [
-        *(
-            _overlap(window, f"{prefix}overlap-{number}", scale, top, bottom)
-            for number, window in enumerate(overlaps)
-        ),
-        *(
-            _mark(mark, f"{prefix}deadlock-{number}", scale, top + inset[0], bottom - inset[1])
-            for number, mark in enumerate(marks)
-        ),
+
+def _database_lane(
+    drawn: _Drawn,
+    prefix: str,
+    scale: _Scale,
+    now: dt.datetime,
+    *,
+    label: str,
+    label_x: float = LABEL_X,
+) -> list[str]:
+    """The database's lane: the counts of deadlocks the history saw while runs ran."""
+    row = drawn.database
+    if row is None:
+        return []
+    parts = [
+        f'<g class="database-lane" id="{prefix}database-lane" data-lane="{DATABASE}">'
+        + _label(label, DATABASE_LABEL, row, label_x)
     ]
+    for bar, (ident, _) in drawn.runs.items():
+        if bar.skip or not bar.deadlocks:
+            continue
+        parts.append(_count(bar, ident, scale, now, row))
+    parts.append("</g>")
+    return parts
 
 
 def svg(timeline: Timeline) -> str:
     """The timeline as an ``<svg>`` element (valid on its own and inside HTML)."""
     scale = _Scale(timeline.start, (timeline.end - timeline.start).total_seconds())
-    height = TOP + LANE * max(len(timeline.lanes), 1) + LEGEND
-    lane_of = {lane: index for index, lane in enumerate(timeline.lanes)}
+    drawn = _Drawn()
+    for index, lane in enumerate(timeline.lanes):
+        drawn.rows[lane] = _Row(TOP + index * LANE, LANE, BAR)
+    rows = max(len(timeline.lanes), 1)
+    if timeline.database_lane:
+        drawn.database = _Row(TOP + rows * LANE, LANE, BAR)
+        rows += 1
+    height = TOP + LANE * rows + LEGEND
     parts = [
         (
             f'<svg id="timeline" class="timeline" xmlns="http://www.w3.org/2000/svg" '
@@ -174,85 +278,124 @@ def svg(timeline: Timeline) -> str:
             f'data-end="{_when(timeline.end)}">'
         ),
         f"<style>{_STYLE}</style>",
+        *_backgrounds(drawn),
         *_axis(scale, height - LEGEND, "%m-%d %H:%M" if scale.span > DAY else "%H:%M"),
+        *(
+            _overlap(window, f"overlap-{number}", scale, drawn)
+            for number, window in enumerate(timeline.overlaps)
+        ),
+        *_lanes(
+            drawn, timeline.bars, "", scale, timeline.now, label=lambda lane: _text(_short(lane))
+        ),
+        *_database_lane(drawn, "", scale, timeline.now, label=_text(DATABASE_LABEL)),
+        *(
+            _mark(mark, f"deadlock-{number}", scale, drawn)
+            for number, mark in enumerate(timeline.marks)
+        ),
+        *_legend(height - LEGEND + 18),
+        "</svg>",
     ]
-    for index, lane in enumerate(timeline.lanes):
-        y = TOP + index * LANE
-        parts.append(_lane_opened(f'class="lane" id="lane-{index}"', lane, _text(_short(lane)), y))
-        parts += [
-            _bar(bar, f"run-{number}", scale, timeline.now, y)
-            for number, bar in enumerate(timeline.bars)
-            if lane_of.get(bar.lane) == index
-        ]
-        parts.append("</g>")
-    bottom = TOP + LANE * max(len(timeline.lanes), 1)
-    parts += _over_lanes(timeline.overlaps, timeline.marks, "", scale, (TOP, bottom))
-    parts += _legend(height - LEGEND + 18)
-    parts.append("</svg>")
     return "\n".join(parts)
 
 
 def nights_svg(timeline: Timeline) -> str:
-    """The same hours of each night one above another (empty when all is on one day).
+    """A row per night over one time-of-day axis, a track per key in it (empty: one day).
 
-    Each night is a group of rows, one per lane busy that night, over one time-of-day axis:
-    "the deadlocks are the nights refunds ran past 02:10" is seen at a glance.
+    Every night has the same tracks in the same order, a key that did not run that night
+    leaving its track empty: "the deadlocks are the nights refunds ran past 02:10" is seen
+    at a glance, a month of nights on one page.
     """
     found = model.nights(timeline)
     if len(found) < 2:  # noqa: PLR2004 - one night is the main picture already
         return ""
     low, high = model.hours_shown(found, timeline.now)
-    rows = sum(len(one.lanes) or 1 for one in found)
-    height = TOP + rows * LANE + NIGHT_GAP * len(found) + 10
+    tracks = len(timeline.lanes) + (1 if timeline.database_lane else 0)
+    row_height = max(tracks, 1) * TRACK + 2 * ROW_PAD
+    height = TOP + len(found) * (row_height + NIGHT_GAP) + 10
     parts = [
         (
             f'<svg id="nights" class="timeline nights" xmlns="http://www.w3.org/2000/svg" '
             f'width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
-            f'data-nights="{len(found)}">'
+            f'data-nights="{len(found)}" data-tracks="{tracks}">'
         ),
         f"<style>{_STYLE}</style>",
     ]
     reference = found[0].midnight
     parts += _axis(_Scale(reference + dt.timedelta(seconds=low), high - low), height - 10, "%H:%M")
-    y = float(TOP)
     for night_number, one in enumerate(found):
+        top = TOP + night_number * (row_height + NIGHT_GAP)
         scale = _Scale(one.midnight + dt.timedelta(seconds=low), high - low)
-        top, prefix = y, f"night{night_number}-"
-        parts.append(
-            f'<g class="night" id="night-{night_number}" data-day="{one.day.isoformat()}">'
-        )
-        for lane in one.lanes:
-            label = f"{one.day:%m-%d} {_text(_short(lane, 30))}"
-            parts.append(_lane_opened('class="night-lane"', lane, label, y))
-            parts += [
-                _bar(bar, f"{prefix}run-{number}", scale, timeline.now, y)
-                for number, bar in enumerate(one.bars)
-                if bar.lane == lane
-            ]
-            parts.append("</g>")
-            y += LANE
-        parts += _over_lanes(one.overlaps, one.marks, prefix, scale, (top, y), inset=(6, 4))
-        parts.append("</g>")
-        y += NIGHT_GAP
+        prefix = f"night{night_number}-"
+        drawn = _Drawn()
+        for index, lane in enumerate(one.lanes):
+            drawn.rows[lane] = _Row(top + ROW_PAD + index * TRACK, TRACK, TRACK_BAR)
+        if timeline.database_lane:
+            drawn.database = _Row(top + ROW_PAD + len(one.lanes) * TRACK, TRACK, TRACK_BAR)
+        parts += [
+            (
+                f'<g class="night" id="night-{night_number}" data-day="{one.day.isoformat()}" '
+                f'data-top="{top}" data-height="{row_height}">'
+            ),
+            (
+                f'<rect class="night-bg" x="0.5" y="{top + 0.5}" width="{WIDTH - 1}" '
+                f'height="{row_height - 1}"/>'
+            ),
+            f'<text class="night-label" x="6" y="{top + ROW_PAD + 11}">{one.day:%m-%d %a}</text>',
+            *_backgrounds(drawn),
+            *(
+                _overlap(window, f"{prefix}overlap-{number}", scale, drawn)
+                for number, window in enumerate(one.overlaps)
+            ),
+            *_lanes(
+                drawn,
+                one.bars,
+                prefix,
+                scale,
+                timeline.now,
+                label=lambda lane: _text(_short(lane, 30)),
+                label_x=TRACK_LABEL_X,
+                cut=True,
+            ),
+            *_database_lane(
+                drawn, prefix, scale, timeline.now, label=_text(DATABASE), label_x=TRACK_LABEL_X
+            ),
+            *(
+                _mark(mark, f"{prefix}deadlock-{number}", scale, drawn)
+                for number, mark in enumerate(one.marks)
+            ),
+            "</g>",
+        ]
     parts.append("</svg>")
     return "\n".join(parts)
 
 
+def image(timeline: Timeline) -> str:
+    """The one picture an SVG file holds: the nights one per row when there are several."""
+    return nights_svg(timeline) or svg(timeline)
+
+
 def page(timeline: Timeline, title: str) -> str:
-    """The timeline as one HTML page: the SVG, a summary, notes, and the hover script."""
+    """The timeline as one HTML page: the nights, the whole span, a summary, notes, hover."""
     shown = f"{_when(timeline.start)} to {_when(timeline.end)}: {summary(timeline)}"
     notes = "".join(f"<li>{_text(note)}</li>" for note in timeline.notes)
     nights = nights_svg(timeline)
+    whole = svg(timeline)
     if nights:
-        nights = f"<h2>Night by night (the same hours of each day, UTC)</h2>\n{nights}"
+        days = len(model.nights(timeline))
+        # A month on one axis makes each night a sliver: the nights come first.
+        pictures = (
+            f"<h2>Night by night (the same hours of each day, UTC)</h2>\n{nights}\n"
+            f"<h2>All {days} days on one axis</h2>\n{whole}"
+        )
+    else:
+        pictures = whole
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
         f"<title>{_text(title)}</title><style>{_PAGE_STYLE}</style></head>\n"
         f"<body><h1>{_text(title)}</h1>\n"
         f'<p id="summary">{_text(shown)}</p>\n'
-        f"{svg(timeline)}\n"
-        f"{nights}\n"
+        f"{pictures}\n"
         f'<ul class="notes">{notes}</ul>\n'
         '<div id="tip" hidden></div>\n'
         f"<script>{_SCRIPT}</script>\n"
@@ -263,11 +406,13 @@ def page(timeline: Timeline, title: str) -> str:
 def summary(timeline: Timeline) -> str:
     """``2 lane(s), 3 run(s), 0 skip(s), 1 overlap window(s), ...``: what the picture shows."""
     runs = [bar for bar in timeline.bars if not bar.skip]
+    tied = sum(1 for mark in timeline.marks if mark.tied)
     return (
         f"{len(timeline.lanes)} lane(s), {len(runs)} run(s), "
         f"{len(timeline.bars) - len(runs)} skip(s), {len(timeline.overlaps)} overlap window(s), "
-        f"{sum(bar.deadlocks or 0 for bar in runs)} deadlock(s) counted during runs, "
-        f"{len(timeline.marks)} deadlock(s) in the server log"
+        f"{sum(bar.deadlocks or 0 for bar in runs)} deadlock(s) counted in the database "
+        f"during runs, {len(timeline.marks)} deadlock(s) in the server log "
+        f"({tied} tied to a run)"
     )
 
 
@@ -283,7 +428,9 @@ def _short(lane: str, room: int = 38) -> str:
     return lane[:head] + "\N{HORIZONTAL ELLIPSIS}" + lane[len(lane) - (room - head - 1) :]
 
 
-def _bar(bar: Bar, ident: str, scale: _Scale, now: dt.datetime, lane_y: float) -> str:
+def _bar(  # noqa: PLR0917 - a bar and where it goes
+    bar: Bar, ident: str, scale: _Scale, now: dt.datetime, row: _Row, end: dt.datetime
+) -> str:
     x = scale.x(bar.start)
     if bar.skip:
         tip = _tip([f"skipped: {bar.lane}", f"host {bar.host or '?'}", _when(bar.start)])
@@ -291,33 +438,113 @@ def _bar(bar: Bar, ident: str, scale: _Scale, now: dt.datetime, lane_y: float) -
         return (
             f'<line class="skip" id="{skip}" data-run-id="{_text(bar.run_id or "")}" '
             f'data-host="{_text(bar.host or "")}" x1="{x:.1f}" x2="{x:.1f}" '
-            f'y1="{lane_y + 3}" y2="{lane_y + LANE - 3}" data-tip="{tip}">'
+            f'y1="{row.y + 2}" y2="{row.y + row.height - 2}" data-tip="{tip}">'
             f"<title>{tip}</title></line>"
         )
-    width = max(scale.x(bar.until(now)) - x, MIN_BAR)
-    outcome = bar.outcome if bar.outcome in _COLOURS else "other"
+    width = max(scale.x(end) - x, MIN_BAR)
+    outcome = bar.outcome if bar.outcome in COLOURS else "other"
     tip = _tip(_bar_lines(bar, now))
-    y = lane_y + (LANE - BAR) / 2
-    drawn = [
-        (
-            f'<rect class="run outcome-{outcome}" id="{ident}" '
-            f'data-run-id="{_text(bar.run_id or "")}" data-outcome="{_text(bar.outcome)}" '
-            f'data-host="{_text(bar.host or "")}" '
-            f'data-exit-code="{"" if bar.exit_code is None else bar.exit_code}" '
-            f'data-duration="{bar.duration(now):.3f}" data-deadlocks="{bar.deadlocks or 0}" '
-            f'x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{BAR}" data-tip="{tip}">'
-            f"<title>{tip}</title></rect>"
+    y = row.y + (row.height - row.bar) / 2
+    cut = ' data-cut="true"' if end < bar.until(now) else ""
+    return (
+        f'<rect class="run outcome-{outcome}" id="{ident}" '
+        f'data-run-id="{_text(bar.run_id or "")}" data-outcome="{_text(bar.outcome)}" '
+        f'data-lane="{_text(bar.lane)}" data-host="{_text(bar.host or "")}" '
+        f'data-exit-code="{"" if bar.exit_code is None else bar.exit_code}" '
+        f'data-duration="{bar.duration(now):.3f}" data-deadlocks="{bar.deadlocks or 0}"{cut} '
+        f'x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{row.bar}" data-tip="{tip}">'
+        f"<title>{tip}</title></rect>"
+    )
+
+
+def _count(bar: Bar, ident: str, scale: _Scale, now: dt.datetime, row: _Row) -> str:
+    """The database's deadlocks while a run ran, over its span on the database's lane.
+
+    Any session's deadlock counts: it is no mark on the run.
+    """
+    x = scale.x(bar.start)
+    width = max(scale.x(bar.until(now)) - x, MIN_BAR)
+    tip = _tip(
+        [
+            f"{bar.deadlocks} deadlock(s) in the database (any session's) while a run ran",
+            f"run {bar.run_id or '?'} of {bar.lane}",
+            f"{_when(bar.start)} to {_when(bar.until(now))}",
+        ]
+    )
+    y = row.y + (row.height - row.bar) / 2
+    return (
+        f'<g class="database-count" data-run="{ident}" data-count="{bar.deadlocks}" '
+        f'data-tip="{tip}"><rect x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" '
+        f'height="{row.bar}"/><text x="{x + 3:.1f}" y="{y + row.bar - 1:.1f}">'
+        f"{bar.deadlocks}</text><title>{tip}</title></g>"
+    )
+
+
+def _overlap(window: Overlap, ident: str, scale: _Scale, drawn: _Drawn) -> str:
+    """The window shaded on the rows of its lanes only, under their bars."""
+    x = scale.x(window.start)
+    width = max(scale.x(window.end) - x, MIN_BAR)
+    seconds = (window.end - window.start).total_seconds()
+    tip = _tip(
+        [
+            "overlap: " + " + ".join(window.lanes),
+            f"{_when(window.start)} to {_when(window.end)} ({format_seconds(round(seconds, 1))})",
+        ]
+    )
+    lanes = _text(json.dumps(window.lanes, ensure_ascii=False))
+    rows = [drawn.rows[lane] for lane in window.lanes if lane in drawn.rows]
+    shaded = "".join(
+        f'<rect x="{x:.1f}" y="{row.y}" width="{width:.1f}" height="{row.height}"/>' for row in rows
+    )
+    return (
+        f'<g class="overlap" id="{ident}" data-lanes="{lanes}" '
+        f'data-count="{len(window.lanes)}" data-x="{x:.1f}" data-width="{width:.1f}" '
+        f'data-tip="{tip}">{shaded}<title>{tip}</title></g>'
+    )
+
+
+def _mark(mark: Mark, ident: str, scale: _Scale, drawn: _Drawn) -> str:
+    """A deadlock: a short line on each run the log ties it to, else on the database's lane."""
+    x = round(scale.x(mark.at))
+    rows: list[tuple[str, _Row]] = []
+    for tie in mark.ties:
+        found = drawn.runs.get(tie.bar)
+        if found is not None:
+            rows.append(found)
+    on = " ".join(ident for ident, _ in rows)
+    if not rows and drawn.database is not None:
+        rows.append((DATABASE, drawn.database))
+    tip = _tip([f"deadlock at {_when(mark.at)}", *_sides(mark), mark.where])
+    lines = "".join(
+        f'<line class="deadlock-halo" x1="{x}" x2="{x}" y1="{row.y}" y2="{row.y + row.height}"/>'
+        f'<line class="deadlock-mark" data-on="{target}" x1="{x}" x2="{x}" y1="{row.y}" '
+        f'y2="{row.y + row.height}"/>'
+        for target, row in rows
+    )
+    return (
+        f'<g class="deadlock" id="{ident}" data-at="{_when(mark.at)}" '
+        f'data-where="{_text(mark.where)}" data-runs="{on}" data-x="{x}" '
+        f'data-tied="{"true" if mark.tied else "false"}" data-tip="{tip}">{lines}'
+        f"<title>{tip}</title></g>"
+    )
+
+
+def _sides(mark: Mark) -> list[str]:
+    """The hover lines of a deadlock's sides: each side, and the run it is tied to, if any."""
+    if not mark.parties:
+        return ["sides: " + ", ".join(mark.sides)]
+    lines = ["sides: " + ", ".join(mark.sides)]
+    for party in mark.parties:
+        runs = [
+            f"{tie.bar.lane}" + (f" run {tie.bar.run_id}" if tie.bar.run_id else "")
+            for tie in mark.ties
+            if tie.party == party
+        ]
+        lines.append(
+            f"  {party.name} (pid {party.pid}): "
+            + (", ".join(runs) if runs else "tied to no run shown")
         )
-    ]
-    if bar.deadlocks:
-        cx, cy = x + width / 2, y - 1
-        drawn.append(
-            f'<g class="run-deadlocks" data-run="{ident}" data-count="{bar.deadlocks}" '
-            f'data-tip="{tip}"><path d="M{cx:.1f} {cy - 6:.1f} l5 6 l-5 6 l-5 -6 z"/>'
-            f'<text x="{cx + 6:.1f}" y="{cy:.1f}">{bar.deadlocks}</text>'
-            f"<title>{tip}</title></g>"
-        )
-    return "".join(drawn)
+    return lines
 
 
 def _bar_lines(bar: Bar, now: dt.datetime) -> list[str]:
@@ -340,34 +567,6 @@ def _bar_lines(bar: Bar, now: dt.datetime) -> list[str]:
     if bar.where is not None:
         lines.append(f"from {bar.where}")
     return lines
-
-
-def _overlap(window: Overlap, ident: str, scale: _Scale, top: float, bottom: float) -> str:
-    x = scale.x(window.start)
-    width = max(scale.x(window.end) - x, MIN_BAR)
-    seconds = (window.end - window.start).total_seconds()
-    tip = _tip(
-        [
-            "overlap: " + " + ".join(window.lanes),
-            f"{_when(window.start)} to {_when(window.end)} ({format_seconds(round(seconds, 1))})",
-        ]
-    )
-    lanes = _text(json.dumps(window.lanes, ensure_ascii=False))
-    return (
-        f'<rect class="overlap" id="{ident}" data-lanes="{lanes}" '
-        f'data-count="{len(window.lanes)}" x="{x:.1f}" y="{top}" width="{width:.1f}" '
-        f'height="{bottom - top}" data-tip="{tip}"><title>{tip}</title></rect>'
-    )
-
-
-def _mark(mark: Mark, ident: str, scale: _Scale, top: float, bottom: float) -> str:
-    x = scale.x(mark.at)
-    tip = _tip([f"deadlock at {_when(mark.at)}", "sides: " + ", ".join(mark.sides), mark.where])
-    return (
-        f'<line class="deadlock-mark" id="{ident}" data-at="{_when(mark.at)}" '
-        f'data-where="{_text(mark.where)}" x1="{x:.1f}" x2="{x:.1f}" y1="{top - 6}" '
-        f'y2="{bottom + 4}" data-tip="{tip}"><title>{tip}</title></line>'
-    )
 
 
 def _axis(scale: _Scale, bottom: float, fmt: str) -> list[str]:
@@ -401,11 +600,16 @@ def _legend(y: float) -> list[str]:
     parts.append(
         f'<line class="skip" x1="10" x2="10" y1="{y - 11}" y2="{y + 1}"/>'
         f'<text x="18" y="{y}">{SKIPPED}</text>'
-        f'<rect class="overlap" x="90" y="{y - 10}" width="18" height="12"/>'
-        f'<text x="112" y="{y}">overlap</text>'
-        f'<g class="run-deadlocks"><path d="M200 {y - 11} l5 6 l-5 6 l-5 -6 z"/></g>'
-        f'<text x="210" y="{y}">deadlocks during a run (count)</text>'
-        f'<line class="deadlock-mark" x1="420" x2="420" y1="{y - 12}" y2="{y + 2}"/>'
-        f'<text x="428" y="{y}">deadlock in the server log</text></g>'
+        f'<g class="overlap"><rect x="90" y="{y - 10}" width="18" height="12"/></g>'
+        f'<text x="112" y="{y}">overlap (on the lanes that overlapped)</text>'
+        f'<line class="deadlock-mark" x1="370" x2="370" y1="{y - 12}" y2="{y + 2}"/>'
+        f'<text x="378" y="{y}">deadlock the server log ties to that run (its '
+        "application_name or backend pid)</text>"
+    )
+    y += 20
+    parts.append(
+        f'<g class="database-count"><rect x="6" y="{y - 10}" width="18" height="12"/></g>'
+        f'<text x="30" y="{y}">on the database lane: deadlocks the database counted while a '
+        "run ran (any session's), and the server log's deadlocks tied to no run shown</text></g>"
     )
     return parts
