@@ -327,9 +327,11 @@ class _Field:
     keep: str | None = None
     #: The fewest columns it is shortened to.
     least: int = 12
+    #: Said after the value, never shortened (`` pid 6815`` after a host).
+    tail: str = ""
 
     def __str__(self) -> str:
-        value = self.value
+        value = self.value + self.tail
         if value == "" or any(char in value for char in ' ="'):
             value = '"' + value.replace('"', '\\"') + '"'
         return f"{self.name}={value}"
@@ -370,15 +372,20 @@ def _holder(fields: Mapping[str, Any], today: str) -> list[_Field]:
     host, pid = fields.get("holder_host"), fields.get("holder_pid")
     backend, address = fields.get("holder_backend_pid"), fields.get("holder_client_addr")
     if host is not None:
-        who = f"{host} pid {pid}" if pid is not None else str(host)
+        held_by = _Field("held_by", _text(host), keep="start", tail=_pid(pid))
     elif backend is not None:  # not a jobrun session, or its comment is hidden from us
         who = f"backend {backend}" + (f" from {address}" if address else "")
+        held_by = _Field("held_by", _text(who), keep="start")
     else:
         return []
-    found = [_Field("held_by", _text(who), keep="start", least=14)]
+    found = [held_by]
     if fields.get("holder_since"):
         found.append(_Field("since", _clock(fields["holder_since"], today)))
     return found
+
+
+def _pid(pid: object) -> str:
+    return "" if pid is None else f" pid {_text(pid)}"
 
 
 def _started(fields: Mapping[str, Any], _today: str) -> list[_Field]:
