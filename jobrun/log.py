@@ -329,6 +329,8 @@ class _Field:
     least: int = 12
     #: Said after the value, never shortened (`` pid 6815`` after a host).
     tail: str = ""
+    #: When shortening is not enough, fields are left out, 1 first, then 2 (0: never).
+    drop: int = 0
 
     def __str__(self) -> str:
         value = self.value + self.tail
@@ -380,7 +382,7 @@ def _holder(fields: Mapping[str, Any], today: str) -> list[_Field]:
         return []
     found = [held_by]
     if fields.get("holder_since"):
-        found.append(_Field("since", _clock(fields["holder_since"], today)))
+        found.append(_Field("since", _clock(fields["holder_since"], today), drop=1))
     return found
 
 
@@ -398,42 +400,48 @@ def _started(fields: Mapping[str, Any], _today: str) -> list[_Field]:
     return found
 
 
+#: Outcomes whose signal jobrun sent itself (its own line said so before ``finished``).
+_SIGNALLED_BY_JOBRUN = frozenset({"timed_out", "lock_lost", "stopped"})
+
+
 def _finished(fields: Mapping[str, Any], _today: str) -> list[_Field]:
-    found = [
-        _Field("outcome", _text(fields.get("outcome"))),
-        _Field("exit_code", _text(_plain(fields.get("exit_code"), console=True))),
-    ]
-    child = fields.get("child_exit_code")
-    if child is not None and child != fields.get("exit_code"):
+    outcome = fields.get("outcome")
+    found = [_Field("outcome", _text(outcome))]
+    if outcome != "succeeded":  # a success's exit code is 0: said by the outcome
+        found.append(_Field("exit_code", _text(_plain(fields.get("exit_code"), console=True))))
+    child, signal = fields.get("child_exit_code"), fields.get("signal")
+    if child is not None and child != fields.get("exit_code") and not signal:
         found.append(_Field("child_exit_code", _text(child)))
-    if fields.get("signal"):
-        found.append(_Field("signal", _text(fields["signal"])))
+    if signal and outcome not in _SIGNALLED_BY_JOBRUN:
+        found.append(_Field("signal", _text(signal), drop=1))
     found.append(_Field("duration", _seconds(fields.get("duration"))))
     if fields.get("lock_lost"):
-        found.append(_Field("lock_lost", _text(fields["lock_lost"]), keep="start"))
+        found.append(_Field("lock_lost", _text(fields["lock_lost"]), keep="start", drop=1))
     return found
 
 
 def _skipped(fields: Mapping[str, Any], today: str) -> list[_Field]:
+    """``held_by``, ``paused_by``, ``ran_on`` each say the reason; else ``reason`` does."""
     reason = fields.get("reason")
-    holder = _holder(fields, today) if reason == "locked" else []
-    # held_by says why: the reason is written only when it is not "held elsewhere".
-    found = [] if holder else [_Field("reason", _text(reason))]
-    found.append(_Field("exit_code", _text(_plain(fields.get("exit_code"), console=True))))
-    if reason == "paused":
+    found = [_Field("exit_code", _text(_plain(fields.get("exit_code"), console=True)))]
+    if reason == "locked":
+        found += _holder(fields, today)
+    elif reason == "paused":
         who = f"{fields.get('paused_by_user')}@{fields.get('paused_by_host')}"
-        until = fields.get("paused_until")
-        found += [
-            _Field("paused_by", _text(who), keep="start"),
-            _Field("until", _clock(until, today) if until else "resumed"),
-        ]
+        found.append(_Field("paused_by", _text(who), keep="start", least=8))
+        if fields.get("paused_until"):
+            found.append(_Field("until", _clock(fields["paused_until"], today), drop=2))
         if fields.get("paused_reason"):
-            found.append(_Field("paused_reason", _text(fields["paused_reason"]), keep="start"))
+            found.append(
+                _Field("paused_reason", _text(fields["paused_reason"]), keep="start", drop=1)
+            )
     elif reason == "already_ran" and fields.get("previous_host") is not None:
         found.append(_Field("ran_on", _text(fields["previous_host"]), keep="start"))
         if fields.get("previous_started_at"):
-            found.append(_Field("at", _clock(fields["previous_started_at"], today)))
-    return found + holder
+            found.append(_Field("at", _clock(fields["previous_started_at"], today), drop=1))
+    if len(found) == 1:
+        found.insert(0, _Field("reason", _text(reason)))
+    return found
 
 
 def _waiting(fields: Mapping[str, Any], today: str) -> list[_Field]:
@@ -442,9 +450,9 @@ def _waiting(fields: Mapping[str, Any], today: str) -> list[_Field]:
 
 def _stop(fields: Mapping[str, Any], _today: str) -> list[_Field]:
     who = f"{fields.get('requested_by_username')}@{fields.get('requested_by_host')}"
-    found = [_Field("by", _text(who), keep="start")]
+    found = [_Field("by", _text(who), keep="start", least=8)]
     if fields.get("requested_by_reason"):
-        found.append(_Field("reason", _text(fields["requested_by_reason"]), keep="start"))
+        found.append(_Field("reason", _text(fields["requested_by_reason"]), keep="start", least=8))
     return found
 
 
@@ -476,19 +484,28 @@ def _every_field(fields: Mapping[str, Any]) -> list[_Field]:
 
 
 def _fit(head: str, found: list[_Field], width: int) -> str:
-    """The line of ``head`` and ``found``, values shortened (last first) until it fits."""
+    """The line of ``head`` and ``found``, made to fit ``width`` columns.
+
+    The longest value that may be shortened loses a column, again and again (so the key,
+    a host and a reason share what room there is), down to each one's ``least``; then the
+    fields that may go are left out (``drop`` 1, then 2).
+    """
+    whole = {id(each): each.value for each in found}
+    room = {id(each): columns(each.value) for each in found}
     while True:
         line = " ".join([head, *(str(each) for each in found)])
-        excess = columns(line) - width
-        if excess <= 0:
+        if columns(line) <= width:
             return line
-        for each in reversed(found):
-            have = columns(each.value)
-            if each.keep is not None and have > each.least:
-                each.value = shorten(each.value, max(each.least, have - excess), keep=each.keep)
-                break
-        else:
-            return line  # nothing left to shorten
+        shrinking = [each for each in found if each.keep and room[id(each)] > each.least]
+        if shrinking:
+            longest = max(shrinking, key=lambda each: room[id(each)])
+            room[id(longest)] -= 1
+            longest.value = shorten(whole[id(longest)], room[id(longest)], keep=str(longest.keep))
+            continue
+        droppable = [each for each in found if each.drop]
+        if not droppable:
+            return line  # nothing left to shorten or leave out
+        found.remove(min(droppable, key=lambda each: each.drop))
 
 
 _COLOURS = {"error": "\x1b[31;1m", "warning": "\x1b[33m", "info": "\x1b[32m", "debug": "\x1b[34m"}
@@ -519,7 +536,7 @@ class ConsoleLine:
         if key is not None:
             found.insert(0, _Field("key", _text(_plain(key, console=True)), keep="both", least=16))
         if run_id and with_run_id:
-            found.append(_Field("run_id", _text(run_id)[:_SHORT_RUN_ID]))
+            found.append(_Field("run_id", _text(run_id)[:_SHORT_RUN_ID], drop=2))
         head = f"{stamp} [{level}] {event}"
         line = (
             _fit(head, found, CONSOLE_WIDTH)
