@@ -369,7 +369,7 @@ def _clock(stamp: object, today: str) -> str:
     return parsed.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _holder(fields: Mapping[str, Any], today: str) -> list[_Field]:
+def _holder(fields: Mapping[str, Any], today: str, *, since_drop: int = 2) -> list[_Field]:
     """Who holds the key, as ``status`` names a holder: ``web1 pid 6815``, since when."""
     host, pid = fields.get("holder_host"), fields.get("holder_pid")
     backend, address = fields.get("holder_backend_pid"), fields.get("holder_client_addr")
@@ -382,7 +382,7 @@ def _holder(fields: Mapping[str, Any], today: str) -> list[_Field]:
         return []
     found = [held_by]
     if fields.get("holder_since"):
-        found.append(_Field("since", _clock(fields["holder_since"], today), drop=1))
+        found.append(_Field("since", _clock(fields["holder_since"], today), drop=since_drop))
     return found
 
 
@@ -445,14 +445,18 @@ def _skipped(fields: Mapping[str, Any], today: str) -> list[_Field]:
 
 
 def _waiting(fields: Mapping[str, Any], today: str) -> list[_Field]:
-    return [_Field("remaining", _seconds(fields.get("remaining"))), *_holder(fields, today)]
+    # While waiting, the key is worth more than when the holder began.
+    remaining = _Field("remaining", _seconds(fields.get("remaining")))
+    return [remaining, *_holder(fields, today, since_drop=1)]
 
 
 def _stop(fields: Mapping[str, Any], _today: str) -> list[_Field]:
     who = f"{fields.get('requested_by_username')}@{fields.get('requested_by_host')}"
-    found = [_Field("by", _text(who), keep="start", least=8)]
+    # Who asked and why are the line's news: they keep more than a host does.
+    found = [_Field("by", _text(who), keep="start", least=16)]
     if fields.get("requested_by_reason"):
-        found.append(_Field("reason", _text(fields["requested_by_reason"]), keep="start", least=8))
+        reason = _text(fields["requested_by_reason"])
+        found.append(_Field("reason", reason, keep="start", least=24))
     return found
 
 
@@ -486,26 +490,45 @@ def _every_field(fields: Mapping[str, Any]) -> list[_Field]:
 def _fit(head: str, found: list[_Field], width: int) -> str:
     """The line of ``head`` and ``found``, made to fit ``width`` columns.
 
-    The longest value that may be shortened loses a column, again and again (so the key,
-    a host and a reason share what room there is), down to each one's ``least``; then the
-    fields that may go are left out (``drop`` 1, then 2).
+    In turn, until it fits: the values that may be shortened lose a column each, the
+    longest first, down to each one's ``least`` (the key's last); fields of ``drop`` 1 are
+    left out before the key is shortened, those of ``drop`` 2 after.
     """
     whole = {id(each): each.value for each in found}
     room = {id(each): columns(each.value) for each in found}
-    while True:
-        line = " ".join([head, *(str(each) for each in found)])
-        if columns(line) <= width:
-            return line
-        shrinking = [each for each in found if each.keep and room[id(each)] > each.least]
-        if shrinking:
-            longest = max(shrinking, key=lambda each: room[id(each)])
-            room[id(longest)] -= 1
-            longest.value = shorten(whole[id(longest)], room[id(longest)], keep=str(longest.keep))
-            continue
-        droppable = [each for each in found if each.drop]
-        if not droppable:
-            return line  # nothing left to shorten or leave out
-        found.remove(min(droppable, key=lambda each: each.drop))
+
+    def line() -> str:
+        return " ".join([head, *(str(each) for each in found)])
+
+    def narrower(which: list[_Field]) -> bool:
+        shrinking = [each for each in which if each.keep and room[id(each)] > each.least]
+        if not shrinking:
+            return False
+        longest = max(shrinking, key=lambda each: room[id(each)])
+        room[id(longest)] -= 1
+        longest.value = shorten(whole[id(longest)], room[id(longest)], keep=str(longest.keep))
+        return True
+
+    def dropped(rank: int) -> bool:
+        for each in found:
+            if each.drop == rank:
+                found.remove(each)
+                return True
+        return False
+
+    def others() -> bool:
+        return narrower([each for each in found if each.name != "key"])
+
+    steps: tuple[Callable[[], bool], ...] = (
+        others,
+        lambda: dropped(1),
+        lambda: narrower(found),
+        lambda: dropped(2),
+    )
+    for step in steps:
+        while columns(line()) > width and step():
+            pass
+    return line()
 
 
 _COLOURS = {"error": "\x1b[31;1m", "warning": "\x1b[33m", "info": "\x1b[32m", "debug": "\x1b[34m"}

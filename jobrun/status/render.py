@@ -27,9 +27,9 @@ def status_table(
 ) -> str:
     """An aligned table, one line per key, in WIDTH columns unless ``wide``.
 
-    The narrow table leaves the lock mode, the holder's run id, the typical duration and
-    the deadlocks to --wide, writes times without seconds (and without the year when it is
-    ``now``'s), and shortens the key, holder and note with ``…`` to fit.
+    The narrow table leaves the lock mode, the holder's run id and role, the typical
+    duration and the deadlocks to --wide, writes times without seconds (and without the
+    year when it is ``now``'s), and shortens the key, holder and note with ``…`` to fit.
     """
     rows = list(rows)
     if wide:
@@ -40,7 +40,7 @@ def status_table(
         *(
             (
                 row.key,
-                _holder(row),
+                _who(row.holder),
                 _short_when(row.holder.since, year) if row.holder else "-",
                 row.last_outcome or "-",
                 _short_when(row.last_finished_at, year),
@@ -52,7 +52,7 @@ def status_table(
             for row in rows
         ),
     ]
-    return _align(lines, width=WIDTH, elastic={0: "both", 1: "start", 8: "start"})
+    return _align(lines, width=WIDTH, elastic={0: "both", 1: "pid", 8: "start"})
 
 
 _WIDE_HEADER = (
@@ -206,8 +206,8 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-#: The fewest columns a shortened cell keeps.
-_LEAST = 10
+#: The fewest columns a shortened cell keeps, by what it keeps.
+_LEAST = {"both": 16, "pid": 20, "start": 10}
 _GAP = "  "
 
 
@@ -219,24 +219,31 @@ def _align(
 ) -> str:
     """The rows as aligned columns; each cell escaped, as most come from the database.
 
-    With ``width``: the ``elastic`` columns (index: what of a cell to keep, see
-    jobrun.log.shorten) are narrowed, the widest first, until a line fits, and their cells
-    shortened with ``…``.
+    With ``width``: the ``elastic`` columns (index: what of a cell to keep, as
+    jobrun.log.shorten takes it, or ``pid``: a holder's `` pid N``, its host shortened) are
+    narrowed, the widest first and the first column (the key) last, until a line fits (or
+    each is down to its _LEAST), and their cells shortened with ``…``.
     """
-    from jobrun.log import columns, shorten  # noqa: PLC0415 - structlog is loaded anyway
+    from jobrun.log import columns  # noqa: PLC0415 - structlog is loaded anyway
 
     lines = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(columns(line[i]) for line in lines) for i in range(len(lines[0]))]
     if width is not None and elastic:
-        least = {i: max(columns(lines[0][i]), _LEAST) for i in elastic}
-        while sum(widths) + len(_GAP) * (len(widths) - 1) > width:
-            narrower = [i for i in elastic if widths[i] > least[i]]
-            if not narrower:
-                break
-            widths[max(narrower, key=lambda i: widths[i])] -= 1
+        least = {i: max(columns(lines[0][i]), _LEAST[elastic[i]]) for i in elastic}
+
+        def too_wide() -> bool:
+            return sum(widths) + len(_GAP) * (len(widths) - 1) > width
+
+        # The key (column 0) names the row: the other columns give way first.
+        for turn in ([i for i in elastic if i != 0], list(elastic)):
+            while too_wide():
+                narrower = [i for i in turn if widths[i] > least[i]]
+                if not narrower:
+                    break
+                widths[max(narrower, key=lambda i: widths[i])] -= 1
         lines = [
             tuple(
-                shorten(cell, widths[i], keep=elastic[i]) if i in elastic else cell
+                _shortened(cell, widths[i], elastic[i]) if i in elastic else cell
                 for i, cell in enumerate(line)
             )
             for line in lines
@@ -247,6 +254,17 @@ def _align(
         ).rstrip()
         for line in lines
     )
+
+
+def _shortened(cell: str, width: int, keep: str) -> str:
+    """``cell`` in ``width`` columns; ``keep`` ``pid``: the host gives way, not its pid."""
+    from jobrun.log import columns, shorten  # noqa: PLC0415 - structlog is loaded anyway
+
+    host, pid, rest = cell.partition(" pid ")
+    tail = pid + rest
+    if keep == "pid" and pid and width - columns(tail) >= _LEAST["start"] // 2:
+        return shorten(host, width - columns(tail)) + tail
+    return shorten(cell, width, keep="start" if keep == "pid" else keep)
 
 
 def _who(holder: Holder | None) -> str:
