@@ -216,11 +216,12 @@ _ONE_ADDRESS = re.compile(
     r'|on socket "(?P<socket>[^"]*)") failed: (?P<why>.*)'
 )
 #: What precedes each address's failure in psycopg's list of attempts.
-_ATTEMPT = re.compile(r"\s*- host: '[^']*', port: '[^']*', hostaddr: '[^']*': ")
+_ATTEMPT = re.compile(r"\s*- host: '[^']*', port: '[^']*', hostaddr: (?:'[^']*'|None): ")
 #: libpq's hint after a refused connection: the same sentence after every address.
 _HINT = re.compile(r"\s*Is the server running [^?]*\?")
 _ALL_FAILED = " Multiple connection attempts failed. All failures were:"
-_CONNECTION_FAILED = "connection failed: "
+#: psycopg's words before libpq's message ("connection is bad" for a Unix socket).
+_FAILED = re.compile(r"connection (?:failed|is bad): ")
 
 
 def one_failure(text: str) -> str:
@@ -231,24 +232,23 @@ def one_failure(text: str) -> str:
     DSN more. ``cannot connect to db:5432/ops: Connection refused (127.0.0.1:5432,
     [::1]:5432)`` says the same. Text that is not such an error is returned as it is.
     """
-    if _CONNECTION_FAILED not in text:
+    found = _FAILED.search(text)
+    if found is None:
         return text
     head, listed, attempts = text.partition(_ALL_FAILED)
-    prefix, _, first = head.partition(_CONNECTION_FAILED)
+    prefix, first = text[: found.start()], head[found.end() :]
     failures = [part for part in _ATTEMPT.split(attempts) if part.strip()] if listed else [first]
     reasons: dict[str, list[str]] = {}
     for failure in failures:
-        match = _ONE_ADDRESS.fullmatch(
-            _HINT.sub("", failure.strip()).removeprefix(_CONNECTION_FAILED)
-        )
+        said = _FAILED.sub("", _HINT.sub("", failure.strip()), count=1)
+        match = _ONE_ADDRESS.fullmatch(said)
         if match is None:
             return text  # a shape of message not known here: said as it came
         where = match["socket"] or _address(match["host"], match["port"])
         addresses = reasons.setdefault(match["why"].strip(), [])
         if where not in addresses:
             addresses.append(where)
-    said = "; ".join(f"{why} ({', '.join(where)})" for why, where in reasons.items())
-    return prefix + said
+    return prefix + "; ".join(f"{why} ({', '.join(where)})" for why, where in reasons.items())
 
 
 def _address(host: str, port: str | None) -> str:

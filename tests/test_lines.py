@@ -204,6 +204,17 @@ class TestConnectionErrors:
         error = line.split('error="', 1)[1].split('"', 1)[0]
         assert len(error) <= WIDTH, error
 
+    def test_each_reason_is_said_with_its_addresses(self, key, tmp_path):
+        """A socket that is not there and a closed port: each reason once, with its address."""
+        port = closed_port()
+        dsn = f"host={tmp_path},127.0.0.1 port={port} user=nobody dbname=ops"
+        result = cli.run("--key", key, "--log-format", "console", "--", "true", dsn=dsn)
+        assert result.returncode == 69, result.stderr
+        (line,) = result.stderr.splitlines()
+        assert f"No such file or directory ({tmp_path}/.s.PGSQL.{port})" in line, line
+        assert f"Connection refused (127.0.0.1:{port})" in line, line
+        assert line.count("No such file") == line.count("Connection refused") == 1, line
+
 
 class TestJournal:
     """On the journal's stream, each line starts with its syslog priority."""
