@@ -209,9 +209,7 @@ class Pinger:
 
     def skipped(self, reason: str, details: dict[str, object]) -> None:
         """The run skipped: its end ping will be ``URL/log`` (neither success nor failure)."""
-        described = " ".join(
-            f"{name}={value}" for name, value in details.items() if value is not None
-        )
+        described = " ".join(f"{name}={value}" for name, value in details.items())
         self._skip_body = f"skipped ({reason}) {described}".strip().encode()
 
     def finish(self, status: int, stdout: bytes = b"", stderr: bytes = b"") -> None:

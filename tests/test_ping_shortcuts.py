@@ -8,10 +8,9 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 import pytest
 
-from jobrun import keys, ping
+from jobrun import ping
 from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
@@ -193,19 +192,3 @@ class TestPingBody:
         )  # fmt: skip
         assert result.returncode == 3, result.stderr
         assert server.requests[-1] == (f"/ping/{UUID}/3", b"")
-
-
-class TestSkipBody:
-    """The log ping of a skip says what is known of the holder, and nothing else."""
-
-    def test_unknown_holder_fields_are_left_out(self, dsn, key, monitor):
-        """A holder that is not jobrun: its backend pid, no holder_host=None."""
-        server = monitor()
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("SELECT pg_advisory_lock(%s)", (keys.from_name(key).lock_id,))
-            result = cli.run("--key", key, "--ping", f"{server.base}/{UUID}", "--", "true", dsn=dsn)
-        assert result.returncode == 75, result.stderr
-        (path, body) = server.requests[-1]
-        assert path == f"/ping/{UUID}/log"
-        assert b"holder_backend_pid=" in body
-        assert b"None" not in body, body
