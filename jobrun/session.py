@@ -6,6 +6,7 @@ import contextlib
 import select
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -71,21 +72,33 @@ class ServerSession:
         self._guard: threading.Thread | None = None
         self._changed = threading.Condition()
         #: The lock's release as SQL (bound), to close the run's last history message.
-        self._ending: tuple[str, Callable[[], None]] | None = None
+        self._ending: Ending | None = None
 
-    def end_with(self, statements: str | None, done: Callable[[], None] = lambda: None) -> None:
+    def end_with(
+        self,
+        statements: str | None,
+        done: Callable[[], None] = lambda: None,
+        *,
+        after_commit: bool = False,
+    ) -> None:
         """Let the run's last history message carry the release (None: it may not).
 
         ``statements`` (bound already) run after the history's; ``done`` is called once that
         message went through: the lock is then released. If it fails, nothing was released
-        and the lock's own ``release`` does it.
+        and the lock's own ``release`` does it. ``after_commit``: the history's statements
+        must be committed before ``statements`` run (a session lock is no part of a
+        transaction): the message then opens a transaction of its own and commits it.
         """
-        self._ending = None if statements is None else (statements, done)
+        self._ending = None if statements is None else Ending(statements, done, after_commit)
 
-    def take_ending(self) -> tuple[str, Callable[[], None]] | None:
+    def take_ending(self) -> Ending | None:
         """The release to send with the run's last history message, once (None: none)."""
         ending, self._ending = self._ending, None
         return ending
+
+    def restore_ending(self, ending: Ending) -> None:
+        """Put back an ending whose message failed: for a retry, or the lock's own release."""
+        self._ending = ending
 
     def open(self) -> Connection:
         """The session's connection: the one open (held or kept), or a new one."""
@@ -241,6 +254,18 @@ class ServerSession:
                     continue
                 self._deadlines.clear()  # each use past its bound fails with the cut
             self.cut()
+
+
+@dataclass(frozen=True)
+class Ending:
+    """The lock's release, sent at the end of the run's last history message."""
+
+    #: Bound SQL, run after the history's statements.
+    statements: str
+    #: Called once the message went through: the lock is then released.
+    done: Callable[[], None]
+    #: The history's statements are committed first (BEGIN ... COMMIT around them).
+    after_commit: bool = False
 
 
 def _learned(conn: Connection) -> Connection:

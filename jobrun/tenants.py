@@ -145,9 +145,59 @@ def grant_statements(grant: Grant) -> list[Statement]:
     return composed
 
 
+#: ``jobrun init --print-sql``'s head: who runs the script, and what comes before and after.
+INIT_SCRIPT_HEAD = """\
+-- jobrun init, as SQL (jobrun init --print-sql), for PostgreSQL 13 to 18. Names below are
+-- examples; the whole recipe: docs/operations.md, "Preparing a database".
+--
+-- 1. Once, as a superuser (psql -d postgres):
+--      CREATE ROLE jobrun_owner LOGIN PASSWORD 'change-me';  -- owns jobrun's tables
+--      CREATE ROLE team_a LOGIN PASSWORD 'change-me';        -- runs jobs (one per team)
+--      CREATE DATABASE ops;                                  -- or an existing database
+--      GRANT CONNECT, CREATE ON DATABASE ops TO jobrun_owner;
+--      GRANT CONNECT ON DATABASE ops TO team_a;
+--      CREATE ROLE jobrun_operator NOLOGIN; CREATE ROLE jobrun_reader NOLOGIN;
+--      (the last two: this script makes them if jobrun_owner has CREATEROLE)
+-- 2. This script, as the tables' owner, in that database; it is safe to run again:
+--      psql -v ON_ERROR_STOP=1 -U jobrun_owner -d ops -f jobrun-init.sql
+-- 3. Each job role its keys (jobrun grant ... --print-sql prints that SQL too):
+--      jobrun grant team_a --keys 'a-*'
+-- A job role then needs nothing else: no CREATE on the database, no other grant.
+BEGIN;
+SET LOCAL search_path = pg_catalog, pg_temp;
+"""
+
+#: A role jobrun init makes, made only where it does not exist yet: a DBA's script run by
+#: an owner without CREATEROLE must not stop at a role a superuser already made.
+_MAKE_ROLE_IF_MISSING = """
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles
+                   WHERE rolname OPERATOR(pg_catalog.=) {literal}) THEN
+        CREATE ROLE {role} NOLOGIN;
+    END IF;
+END
+$$
+"""
+
+
+def init_script() -> str:
+    """``jobrun init --print-sql``: init's SQL as one transaction, for psql, with its recipe."""
+    ours = [statements.OPERATOR_ROLE, statements.READER_ROLE]
+    composed: list[Statement] = [pgsql.SQL(statements.INIT)]
+    composed += [
+        _sql(_MAKE_ROLE_IF_MISSING, role=pgsql.Identifier(role), literal=pgsql.Literal(role))
+        for role in ours
+    ]
+    for role in ours:
+        kind = "operator" if role == statements.OPERATOR_ROLE else "reader"
+        composed += grant_statements(Grant(role=role, kind=kind, patterns=("*",)))
+    return INIT_SCRIPT_HEAD + as_text(composed) + "COMMIT;\n"
+
+
 def as_text(composed: Sequence[Statement]) -> str:
     """Statements as a script a person can read, or feed to psql."""
-    return "".join(part.as_string(None).strip() + ";\n" for part in composed)
+    return "".join(part.as_string(None).strip().rstrip(";") + ";\n" for part in composed)
 
 
 def init(conn: Connection) -> list[str]:

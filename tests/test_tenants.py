@@ -4,81 +4,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from jobrun.keys import lock_id_for
 from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
+from jobrun.testing.jobrun_cli import event, wait_until
+from support.tenants import Teams, alone, end, ok, running_run_id, victim
 
 if TYPE_CHECKING:
     import datetime as dt
 
 MODES = ("session", "lease")
-#: The heartbeat of the victims' runs: each beat reads its stop requests.
-HEARTBEAT = "200ms"
-
-
-@dataclass(frozen=True)
-class Teams:
-    """A database set up by its owner with jobrun init, and two teams granted a-* and b-*."""
-
-    owner: str
-    a: str
-    b: str
-
-    @staticmethod
-    def role_of(dsn: str) -> str:
-        """The role a DSN logs in as."""
-        return str(conninfo_to_dict(dsn)["user"])
-
-
-def _ok(result) -> None:
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.fixture
-def teams(fresh_dsn, role) -> Teams:
-    """team_a may use a-* keys, team_b b-* keys; both are LOGIN roles of this test."""
-    _ok(jobrun_cli.run("init", dsn=fresh_dsn))
-    team_a = role(database_dsn=fresh_dsn)
-    team_b = role(database_dsn=fresh_dsn)
-    _ok(jobrun_cli.run("grant", Teams.role_of(team_a), "--keys", "a-*", dsn=fresh_dsn))
-    _ok(jobrun_cli.run("grant", Teams.role_of(team_b), "--keys", "b-*", dsn=fresh_dsn))
-    return Teams(owner=fresh_dsn, a=team_a, b=team_b)
-
-
-def _victim(teams: Teams, mode: str, marker, *args: str, key: str = "a-victim"):
-    """A guarded run of team_a whose child writes ``marker`` and sleeps."""
-    proc = jobrun_cli.start(
-        "--key", key, "--mode", mode, "--heartbeat", HEARTBEAT, *args, "--",
-        *jobrun_cli.holder_marker(marker), dsn=teams.a,
-    )  # fmt: skip
-    wait_for_file(marker, proc=proc)
-    return proc
-
-
-def _running_run_id(dsn: str, key: str) -> str:
-    """The run id of ``key``'s run still going, as the history (the owner's view) has it."""
-    found: list[str] = []
-
-    def recorded() -> bool:
-        with psycopg.connect(dsn) as conn:
-            row = conn.execute(
-                "SELECT run_id::text FROM jobrun.runs WHERE key = %s AND outcome = 'running'",
-                (key,),
-            ).fetchone()
-        if row:
-            found.append(row[0])
-        return bool(row)
-
-    wait_until(recorded, what=f"the running row of {key}")
-    return found[0]
 
 
 def _beats_after(owner: str, key: str, moment: dt.datetime, beats: int = 2) -> None:
@@ -106,16 +46,6 @@ def _now(dsn: str) -> dt.datetime:
     return row[0]
 
 
-def _alone(teams: Teams, mode: str, key: str = "a-victim") -> None:
-    """team_a's key is still held by its run: another run of it skips."""
-    again = jobrun_cli.run("--key", key, "--mode", mode, "--", "true", dsn=teams.a)
-    assert again.returncode == 75, again.stderr
-
-
-def _end(proc) -> str:
-    return jobrun_cli.signal_and_wait(proc, jobrun_cli.SIGTERM)
-
-
 def _sql(dsn: str, statement: str, params=None) -> str | None:
     """Run ``statement`` as the DSN's role; the error's SQLSTATE, or None when it went through."""
     try:
@@ -131,15 +61,15 @@ class TestAttacksOfAnotherTeam:
 
     def test_deleting_every_lease_leaves_team_a_alone(self, teams, tmp_path):
         """DELETE FROM jobrun.leases deletes none of team_a's: its next run still skips."""
-        proc = _victim(teams, "lease", tmp_path / "child")
+        proc = victim(teams, "lease", tmp_path / "child")
         try:
             with psycopg.connect(teams.b, autocommit=True) as conn:
                 deleted = conn.execute("DELETE FROM jobrun.leases").rowcount
             assert deleted == 0
-            _alone(teams, "lease")
+            alone(teams, "lease")
             assert proc.poll() is None
         finally:
-            _end(proc)
+            end(proc)
 
     def test_a_lease_row_for_team_a_lock_id_is_refused(self, teams):
         """A lease under team_b's own key but on team_a's lock id would block team_a."""
@@ -150,42 +80,41 @@ class TestAttacksOfAnotherTeam:
             (lock_id_for("a-victim"),),
         )
         assert forged == "42501"
-        _ok(jobrun_cli.run("--key", "a-victim", "--mode", "lease", "--", "true", dsn=teams.a))
+        ok(jobrun_cli.run("--key", "a-victim", "--mode", "lease", "--", "true", dsn=teams.a))
 
     @pytest.mark.parametrize("mode", MODES)
     def test_jobrun_stop_of_team_a_run_stops_nothing(self, teams, tmp_path, mode):
-        """team_b's stop --force of team_a's run: refused or not found; the run goes on.
+        """team_b's stop --force of team_a's run: refused, team_b is not granted the key (69).
 
-        Lease mode: the lease is invisible to team_b (nothing holds the key, exit 1).
-        Session mode: the run's id is hidden from another role, and terminating another
-        role's session needs pg_signal_backend (exit 69); where team_b sees every query,
-        its request is refused by row-level security (exit 69 too).
+        The database says so (jobrun.allowed) before anything is looked up or written, in
+        both modes; the run goes on.
         """
-        proc = _victim(teams, mode, tmp_path / "child")
+        proc = victim(teams, mode, tmp_path / "child")
         try:
             stopped = jobrun_cli.run("stop", "a-victim", "--wait", "1s", "--force", dsn=teams.b)
-            assert stopped.returncode == (1 if mode == "lease" else 69), stopped.stderr
-            _alone(teams, mode)
+            assert stopped.returncode == 69, stopped.stderr
+            assert "is not granted a-victim" in stopped.stderr
+            alone(teams, mode)
             assert proc.poll() is None
         finally:
-            _end(proc)
+            end(proc)
 
     def test_resume_of_team_a_pause_leaves_it_paused(self, teams):
         """team_b's resume of team_a's paused key deletes nothing: team_a's runs still skip."""
-        _ok(jobrun_cli.run("pause", "--new", "a-victim", dsn=teams.a))
+        ok(jobrun_cli.run("pause", "--new", "a-victim", dsn=teams.a))
         resumed = jobrun_cli.run("resume", "a-victim", dsn=teams.b)
-        # team_b sees no row of the key at all: to its eyes the key never ran.
-        assert resumed.returncode == 1, resumed.stderr
-        assert "no run of a-victim was ever recorded" in resumed.stderr
+        # team_b sees no row of the key, but the database says why: not granted, not a typo.
+        assert resumed.returncode == 69, resumed.stderr
+        assert "is not granted a-victim" in resumed.stderr
         skipped = jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a)
         assert skipped.returncode == 75, skipped.stderr
         assert event(skipped.stderr, "skipped")["reason"] == "paused"
 
     def test_stop_request_for_team_a_key_is_refused(self, teams, tmp_path):
         """An INSERT into stop_requests naming team_a's key fails (row-level security)."""
-        proc = _victim(teams, "session", tmp_path / "child")
+        proc = victim(teams, "session", tmp_path / "child")
         try:
-            run_id = _running_run_id(teams.owner, "a-victim")
+            run_id = running_run_id(teams.owner, "a-victim")
             refused = _sql(
                 teams.b,
                 "INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid) "
@@ -193,15 +122,15 @@ class TestAttacksOfAnotherTeam:
                 (run_id,),
             )
             assert refused == "42501"
-            _alone(teams, "session")
+            alone(teams, "session")
         finally:
-            _end(proc)
+            end(proc)
 
     def test_stop_request_under_team_b_key_does_not_reach_team_a_run(self, teams, tmp_path):
         """A request for team_a's run id written under a b- key is never read by that run."""
-        proc = _victim(teams, "session", tmp_path / "child")
+        proc = victim(teams, "session", tmp_path / "child")
         try:
-            run_id = _running_run_id(teams.owner, "a-victim")
+            run_id = running_run_id(teams.owner, "a-victim")
             written = _now(teams.owner)
             forged = _sql(
                 teams.b,
@@ -212,15 +141,15 @@ class TestAttacksOfAnotherTeam:
             assert forged is None
             _beats_after(teams.owner, "a-victim", written)
             assert proc.poll() is None
-            _alone(teams, "session")
+            alone(teams, "session")
         finally:
-            _end(proc)
+            end(proc)
 
     def test_a_squatted_stop_request_is_reported_not_waited_on(self, teams, tmp_path):
         """team_b took team_a's run id under a b- key first: team_a's stop says so, exit 3."""
-        proc = _victim(teams, "session", tmp_path / "child")
+        proc = victim(teams, "session", tmp_path / "child")
         try:
-            run_id = _running_run_id(teams.owner, "a-victim")
+            run_id = running_run_id(teams.owner, "a-victim")
             assert (
                 _sql(
                     teams.b,
@@ -235,14 +164,14 @@ class TestAttacksOfAnotherTeam:
             assert "in the way" in stopped.stderr
             assert len(stopped.stderr.strip().splitlines()) == 1, stopped.stderr
         finally:
-            _end(proc)
+            end(proc)
 
     def test_pause_of_team_a_key_is_refused(self, teams):
         """jobrun pause a-victim as team_b fails, and team_a's next run goes ahead."""
         paused = jobrun_cli.run("pause", "--new", "a-victim", dsn=teams.b)
         assert paused.returncode == 69, paused.stderr
-        assert "row-level security" in paused.stderr
-        _ok(jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a))
+        assert "is not granted a-victim" in paused.stderr
+        ok(jobrun_cli.run("--key", "a-victim", "--", "true", dsn=teams.a))
 
     def test_forged_success_does_not_make_once_per_skip(self, teams):
         """A fake succeeded row for team_a's key is refused; --once-per 1d still runs."""
@@ -259,10 +188,10 @@ class TestAttacksOfAnotherTeam:
 
     def test_team_b_reads_none_of_team_a_rows(self, teams, tmp_path):
         """Every jobrun table shows team_b none of team_a's rows."""
-        _ok(jobrun_cli.run("--key", "a-victim", "--expect-every", "1d", "--", "true",
+        ok(jobrun_cli.run("--key", "a-victim", "--expect-every", "1d", "--", "true",
                            dsn=teams.a))  # fmt: skip
-        _ok(jobrun_cli.run("pause", "a-victim", dsn=teams.a))
-        proc = _victim(teams, "lease", tmp_path / "child", key="a-other")
+        ok(jobrun_cli.run("pause", "a-victim", dsn=teams.a))
+        proc = victim(teams, "lease", tmp_path / "child", key="a-other")
         try:
             with psycopg.connect(teams.b) as conn:
                 for table in ("runs", "leases", "pauses", "expectations", "stop_requests"):
@@ -272,15 +201,15 @@ class TestAttacksOfAnotherTeam:
                     count = conn.execute(statement).fetchone()
                     assert count == (0,), table
         finally:
-            _end(proc)
+            end(proc)
 
     @pytest.mark.parametrize("as_owner", [False, True], ids=["team_b", "owner"])
     def test_stop_of_a_decoy_key_never_stops_another_key_run(self, teams, role, tmp_path, as_owner):
         """A CONNECT-only session holds b-decoy naming a-victim's run: stop b-decoy refuses."""
-        proc = _victim(teams, "session", tmp_path / "child")
+        proc = victim(teams, "session", tmp_path / "child")
         decoy_dsn = role(database_dsn=teams.owner)
         try:
-            run_id = _running_run_id(teams.owner, "a-victim")
+            run_id = running_run_id(teams.owner, "a-victim")
             comment = json.dumps({"run_id": run_id, "host": "decoy", "pid": 1})
             with psycopg.connect(decoy_dsn, autocommit=True) as decoy:
                 decoy.execute(
@@ -297,9 +226,9 @@ class TestAttacksOfAnotherTeam:
                     "SELECT count(*) FROM jobrun.stop_requests WHERE run_id = %s", (run_id,)
                 ).fetchone()
             assert requests == (0,)
-            _alone(teams, "session")
+            alone(teams, "session")
         finally:
-            _end(proc)
+            end(proc)
 
 
 class TestWhoAsked:
@@ -307,14 +236,14 @@ class TestWhoAsked:
 
     def test_stop_records_the_role_not_user(self, teams, tmp_path):
         """USER=root jobrun stop: requested by team_a's role, root only as a claim."""
-        proc = _victim(teams, "session", tmp_path / "child")
+        proc = victim(teams, "session", tmp_path / "child")
         try:
             stopped = jobrun_cli.run("stop", "a-victim", dsn=teams.a, env={"USER": "root"})
             assert stopped.returncode == 0, stopped.stderr
             _, stderr = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
-                _end(proc)
+                end(proc)
         role_a = Teams.role_of(teams.a)
         assert f"as role {role_a}" in stopped.stderr
         with psycopg.connect(teams.owner) as conn:
@@ -336,7 +265,7 @@ class TestWhoAsked:
     def test_pause_shows_the_role(self, teams):
         """jobrun pause says which role paused the key."""
         paused = jobrun_cli.run("pause", "--new", "b-x", dsn=teams.b, env={"USER": "root"})
-        _ok(paused)
+        ok(paused)
         assert f"(by role {Teams.role_of(teams.b)})" in paused.stdout
 
 
@@ -352,12 +281,12 @@ class TestReaders:
         assert failed.returncode == 3, failed.stderr
         run_id = event(failed.stderr, "finished")["run_id"]
         reader = role(database_dsn=teams.owner)
-        _ok(jobrun_cli.run("grant", Teams.role_of(reader), "--reader", dsn=teams.owner))
+        ok(jobrun_cli.run("grant", Teams.role_of(reader), "--reader", dsn=teams.owner))
         status = jobrun_cli.run("status", dsn=reader)
-        _ok(status)
+        ok(status)
         assert "a-out" in status.stdout
         history = jobrun_cli.run("history", "a-out", dsn=reader)
-        _ok(history)
+        ok(history)
         assert "failed" in history.stdout
         shown = jobrun_cli.run("show", run_id, dsn=reader)
         assert shown.returncode == 69
@@ -373,27 +302,27 @@ class TestSetUp:
 
     def test_history_written_before_init_stays_readable(self, fresh_dsn, role):
         """Runs recorded by the single owner before init are read by the team granted them."""
-        _ok(jobrun_cli.run("--key", "a-old", "--", "true", dsn=fresh_dsn))
-        _ok(jobrun_cli.run("init", dsn=fresh_dsn))
-        _ok(jobrun_cli.run("init", dsn=fresh_dsn))
+        ok(jobrun_cli.run("--key", "a-old", "--", "true", dsn=fresh_dsn))
+        ok(jobrun_cli.run("init", dsn=fresh_dsn))
+        ok(jobrun_cli.run("init", dsn=fresh_dsn))
         team_a = role(database_dsn=fresh_dsn)
-        _ok(jobrun_cli.run("grant", Teams.role_of(team_a), "--keys", "a-*", dsn=fresh_dsn))
+        ok(jobrun_cli.run("grant", Teams.role_of(team_a), "--keys", "a-*", dsn=fresh_dsn))
         history = jobrun_cli.run("history", "a-old", "--json", dsn=team_a)
-        _ok(history)
+        ok(history)
         assert [run["outcome"] for run in json.loads(history.stdout)] == ["succeeded"]
 
     def test_print_sql_prints_and_changes_nothing(self, fresh_dsn, role):
         """init --print-sql and grant --print-sql print SQL; the database stays as it was."""
         team = Teams.role_of(role(database_dsn=fresh_dsn))
         init = jobrun_cli.run("init", "--print-sql", dsn=fresh_dsn)
-        _ok(init)
+        ok(init)
         assert "ENABLE ROW LEVEL SECURITY" in init.stdout
         with psycopg.connect(fresh_dsn) as conn:
             schema = conn.execute("SELECT to_regnamespace('jobrun')").fetchone()
         assert schema == (None,)
-        _ok(jobrun_cli.run("init", dsn=fresh_dsn))
+        ok(jobrun_cli.run("init", dsn=fresh_dsn))
         grant = jobrun_cli.run("grant", team, "--keys", "a-*", "--print-sql", dsn=fresh_dsn)
-        _ok(grant)
+        ok(grant)
         assert "INSERT INTO jobrun.grants" in grant.stdout
         assert "'a-%'" in grant.stdout
         with psycopg.connect(fresh_dsn) as conn:
@@ -403,11 +332,11 @@ class TestSetUp:
     def test_grant_and_revoke_round_trip(self, teams):
         """After --revoke team_b's runs are refused (69); granted again, they run and record."""
         team_b = Teams.role_of(teams.b)
-        _ok(jobrun_cli.run("grant", team_b, "--revoke", dsn=teams.owner))
+        ok(jobrun_cli.run("grant", team_b, "--revoke", dsn=teams.owner))
         revoked = jobrun_cli.run("--key", "b-x", "--", "true", dsn=teams.b)
         assert revoked.returncode == 69, revoked.stderr
         assert event(revoked.stderr, "lockstore_unavailable")["reason"] == "not_granted"
-        _ok(jobrun_cli.run("grant", team_b, "--keys", "b-*", dsn=teams.owner))
+        ok(jobrun_cli.run("grant", team_b, "--keys", "b-*", dsn=teams.owner))
         granted = jobrun_cli.run("--key", "b-x", "--", "true", dsn=teams.b)
         assert granted.returncode == 0, granted.stderr
         assert "history_failed" not in granted.stderr
@@ -415,7 +344,7 @@ class TestSetUp:
     def test_grants_lists_who_may_do_what(self, teams):
         """jobrun grants lists each team's pattern and jobrun's own roles."""
         listed = jobrun_cli.run("grants", "--json", dsn=teams.owner)
-        _ok(listed)
+        ok(listed)
         rows = {(row["role"], row["kind"], row["pattern"]) for row in json.loads(listed.stdout)}
         assert (Teams.role_of(teams.a), "job", "a-*") in rows
         assert (Teams.role_of(teams.b), "job", "b-*") in rows
@@ -453,7 +382,7 @@ class TestSetUp:
 
     def test_doctor_warns_of_tables_shared_without_row_level_security(self, fresh_dsn, role):
         """Tables granted as older docs said, without jobrun init: doctor WARNs, names init."""
-        _ok(jobrun_cli.run("--key", "a-x", "--", "true", dsn=fresh_dsn))
+        ok(jobrun_cli.run("--key", "a-x", "--", "true", dsn=fresh_dsn))
         team = role(
             "GRANT USAGE ON SCHEMA jobrun TO {role}",
             "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA jobrun TO {role}",
@@ -475,7 +404,7 @@ class TestStatus:
             squatter.execute("SELECT pg_advisory_lock(%s)", (lock_id_for("a-victim"),))
             status = jobrun_cli.run("status", "a-victim", "--json", dsn=teams.a)
             table = jobrun_cli.run("status", "a-victim", dsn=teams.b)
-        _ok(status)
+        ok(status)
         (row,) = json.loads(status.stdout)
         assert row["holder"]["role"] == Teams.role_of(squatter_dsn)
         assert f"(role {Teams.role_of(squatter_dsn)})" in table.stdout

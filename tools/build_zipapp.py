@@ -1,29 +1,38 @@
 """Build dist/jobrun.pyz: jobrun and its dependencies in one file that any python3 >= 3.10 runs.
 
-    python tools/build_zipapp.py [--out dist/jobrun.pyz] [--cache DIR]
+    python3 tools/build_zipapp.py [--out dist/jobrun.pyz] [--cache DIR]
 
-The pure-Python packages (click, structlog, psycopg, typing_extensions, and prometheus_client
-for --metrics-file) are the versions installed where this runs, so the file holds what the
-tests ran against: run it in the development venv. psycopg-binary, which has compiled
-modules and its own libpq, comes as one wheel per CPython version and Linux architecture
-(PYTHONS x MACHINES), pinned to psycopg's version. Wheels are fetched
-once with `pip download` into the cache (default ``$XDG_CACHE_HOME/jobrun-build``) and
-reused offline afterwards. jobrun/_zipapp.py is the archive's ``__main__.py``: how it
-unpacks and picks a wheel is described there.
+Any python3 3.10+ builds it, with nothing installed: a host's own python3 (no pip, no
+venv) as well as the development venv. The pure-Python packages (click, structlog,
+psycopg, typing_extensions, and prometheus_client for --metrics-file) are the versions
+installed where this runs when they are (the development venv: the file then holds what the
+tests ran against), else the versions in PINNED. psycopg-binary, which has compiled modules
+and its own libpq, comes as one wheel per CPython version and Linux architecture (PYTHONS x
+MACHINES), pinned to psycopg's version. Wheels are fetched once into the cache (default
+``$XDG_CACHE_HOME/jobrun-build``) and reused offline afterwards: with ``pip download``
+where pip is installed (it follows the pip configuration), else straight from PyPI
+(``$JOBRUN_BUILD_PYPI``, default https://pypi.org; its simple API), each file checked
+against the sha256 digest the index gives for it. jobrun/_zipapp.py is the archive's
+``__main__.py``: how it unpacks and picks a wheel is described there.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import fnmatch
 import hashlib
 import importlib.metadata
+import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 import zipapp
 import zipfile
 from pathlib import Path
@@ -34,6 +43,18 @@ PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 MACHINES = ("x86_64", "aarch64")
 #: Pure-Python distributions the file carries, besides jobrun (from this source tree).
 PURE = ("click", "structlog", "psycopg", "typing_extensions", "prometheus_client")
+#: The versions carried where they are not installed here (a host's own python3): the ones
+#: the tests last ran against. psycopg-binary follows psycopg.
+PINNED = {
+    "click": "8.5.1",
+    "structlog": "26.1.0",
+    "psycopg": "3.3.9",
+    "typing_extensions": "4.16.0",
+    "prometheus_client": "0.26.0",
+}
+#: Where wheels come from without pip (its simple API: file names, URLs, sha256 digests).
+PYPI_ENV = "JOBRUN_BUILD_PYPI"
+PYPI = "https://pypi.org"
 
 
 #: Exit status of a build that could not download a wheel it needs (no network?).
@@ -55,6 +76,46 @@ def default_cache() -> Path:
     return base / "jobrun-build"
 
 
+def _fetch(cache: Path, name: str, version: str, pattern: str, *platform: str) -> None:
+    """Put the wheel of ``name`` ``version`` matching ``pattern`` into the cache."""
+    if importlib.util.find_spec("pip") is not None:
+        _download(cache, f"{name}=={version}", *platform)
+    else:
+        _from_index(cache, name, version, pattern)
+
+
+def _from_index(cache: Path, name: str, version: str, pattern: str) -> None:
+    """Download the file of ``name`` ``version`` named like ``pattern``, its digest checked.
+
+    The index's simple API in JSON (PEP 691): every file's name, URL and sha256 digest.
+    """
+    index = os.environ.get(PYPI_ENV, PYPI).rstrip("/")
+    page = f"{index}/simple/{re.sub(r'[-_.]+', '-', name).lower()}/"
+    request = urllib.request.Request(  # noqa: S310 - https by default; the variable is the builder's
+        page, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:  # noqa: S310 - as above
+            files = json.load(reply)["files"]
+        chosen = sorted(
+            (f for f in files if fnmatch.fnmatch(f["filename"], pattern) and not f.get("yanked")),
+            key=lambda f: f["filename"],
+        )
+        if not chosen:
+            raise DownloadError(f"{page}: no file {pattern} for {name} {version}")
+        entry = chosen[0]
+        url = urllib.parse.urljoin(page, entry["url"])
+        with urllib.request.urlopen(url, timeout=300) as reply:  # noqa: S310 - the index's URL
+            data = reply.read()
+    except (OSError, ValueError, KeyError) as exc:  # URLError is an OSError
+        raise DownloadError(f"{page}: {name} {version}: {exc}") from None
+    if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
+        raise DownloadError(f"{entry['filename']}: its sha256 is not the one the index gives")
+    partial = cache / (entry["filename"] + ".partial")
+    partial.write_bytes(data)
+    partial.replace(cache / entry["filename"])
+
+
 def _download(cache: Path, requirement: str, *platform: str) -> None:
     command = [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
@@ -72,20 +133,22 @@ def _cached(cache: Path, pattern: str) -> Path | None:
     return found[-1] if found else None
 
 
-def pure_wheel(cache: Path, name: str) -> Path:
-    """The py3 wheel of ``name`` at the version installed here, fetched once."""
+def version_of(name: str) -> str:
+    """The version of ``name`` installed here, else the pinned one."""
     try:
-        version = importlib.metadata.version(name)
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        raise BuildError(
-            f"{name} is not installed here: build from the development venv "
-            "(pip install -e '.[test]')"
-        ) from None
+        return PINNED[name]
+
+
+def pure_wheel(cache: Path, name: str) -> Path:
+    """The py3 wheel of ``name`` at the version installed here (else PINNED), fetched once."""
+    version = version_of(name)
     stem = re.sub(r"[-_.]+", "_", name).lower()
     pattern = f"{stem}-{version}-py3-none-any.whl"
     found = _cached(cache, pattern)
     if found is None:
-        _download(cache, f"{name}=={version}")
+        _fetch(cache, name, version, pattern)
         found = _cached(cache, pattern)
     if found is None:
         raise BuildError(f"no pure-Python wheel {pattern} after pip download")
@@ -105,9 +168,9 @@ def binary_wheels(cache: Path, version: str) -> dict[str, Path]:
                 platforms = [f"manylinux2014_{machine}", f"manylinux_2_17_{machine}",
                              f"manylinux_2_28_{machine}"]  # fmt: skip
                 try:
-                    _download(
-                        cache, f"psycopg-binary=={version}", "--python-version", python,
-                        "--implementation", "cp", "--abi", abi,
+                    _fetch(
+                        cache, "psycopg-binary", version, pattern,
+                        "--python-version", python, "--implementation", "cp", "--abi", abi,
                         *(arg for p in platforms for arg in ("--platform", p)),
                     )  # fmt: skip
                 except DownloadError as exc:
@@ -164,7 +227,7 @@ def build(out: Path, cache: Path) -> dict[str, str]:
         # Builds at once (two test workers) must not read a wheel another is still writing.
         fcntl.flock(lock, fcntl.LOCK_EX)
         pure = [pure_wheel(cache, name) for name in PURE]
-        wheels = binary_wheels(cache, importlib.metadata.version("psycopg"))
+        wheels = binary_wheels(cache, version_of("psycopg"))
     host = f"cp{sys.version_info[0]}{sys.version_info[1]}-{os.uname().machine}"
     if host not in wheels:
         raise BuildError(f"no psycopg-binary wheel for this host ({host}): cannot test the file")

@@ -8,7 +8,7 @@ under jobrun, PGAPPNAME names its session jobrun:<key> in pg_stat_activity and t
 import os
 import time
 
-import psycopg
+from pgjob import psycopg
 
 #: The work between the two updates (rendering invoices): long enough to overlap.
 PAUSE = float(os.environ.get("EXAMPLE_PAUSE", "2"))

@@ -8,7 +8,7 @@ so two jobs can make each other wait, but never each wait for the other.
 import os
 import time
 
-import psycopg
+from pgjob import psycopg
 
 PAUSE = float(os.environ.get("EXAMPLE_PAUSE", "2"))
 

@@ -7,7 +7,7 @@ The opposite order to invoices.py: when the two overlap, each waits for the othe
 import os
 import time
 
-import psycopg
+from pgjob import psycopg
 
 PAUSE = float(os.environ.get("EXAMPLE_PAUSE", "2"))
 

@@ -4,7 +4,7 @@
 import os
 import time
 
-import psycopg
+from pgjob import psycopg
 
 PAUSE = float(os.environ.get("EXAMPLE_PAUSE", "2"))
 

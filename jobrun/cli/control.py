@@ -80,7 +80,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
             # (where a run announces itself) this role may not see.
             click.echo(f"jobrun: {key_label} is held by {_unaddressable(holder)}", err=True)
             if force:
-                control.take_away(conn, holder)
+                control.take_away(conn, holder, key_label)
                 click.echo(f"jobrun: took the lock of {key_label} away (--force)", err=True)
             return int(Exit.NOT_ENDED)
         asked = control.ask_to_stop(conn, key_label, holder, reason, labelled=labelled)
@@ -136,6 +136,8 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     A run already going is not affected; paused skips never build a skip streak. A KEY
     that never ran is refused (exit 1: a typo?) unless --new says it is a new job.
     """
+    from psycopg import errors
+
     from jobrun import control, keys, records
     from jobrun.escape import printable
 
@@ -146,10 +148,17 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
     ) as conn:
-        records.require_recorded(conn, key_label, unless=new, hint="; --new pauses a new job")
-        since, ends, by = control.pause(
-            conn, key_label, seconds=for_, until=until_at, reason=reason
+        records.require_recorded(
+            conn, key_label, need="control", unless=new, hint="; --new pauses a new job"
         )
+        try:
+            since, ends, by = control.pause(
+                conn, key_label, seconds=for_, until=until_at, reason=reason
+            )
+        except errors.InsufficientPrivilege:
+            # --new asked nothing first: a key of another team is refused as such here.
+            records.refuse_unless_granted(conn, key_label, "control")
+            raise
     role = printable(by or "?")
     click.echo(f"paused {key_label} since {since} until {ends or 'resumed'} (by role {role})")
     return 0
@@ -192,8 +201,8 @@ def _unaddressable(holder: Holder) -> str:
     if name.startswith("jobrun:"):
         return (
             f"a jobrun session of another role (backend pid {holder.backend_pid}, "
-            f"application_name {name}) whose run id this role cannot see: grant it "
-            "pg_read_all_stats, or run stop as that role"
+            f"application_name {name}) whose run id this role cannot see, nor the history "
+            "records: grant it pg_read_all_stats, or run stop as that role"
         )
     return (
         f"a session that is not a jobrun run (backend pid {holder.backend_pid}): "

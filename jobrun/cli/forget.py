@@ -33,7 +33,7 @@ def forget_command(key_label: str, yes: bool, dsn: str, connect_timeout: float) 
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-forget", doing="forgetting the key"
     ) as conn:
-        records.require_recorded(conn, key_label, hint="; nothing to forget")
+        records.require_recorded(conn, key_label, need="run", hint="; nothing to forget")
         if not yes and not click.confirm(
             f"Forget every run, skip, kept output, pause and expectation of {key_label}?"
         ):

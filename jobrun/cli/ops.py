@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import click
 
 from jobrun.cli import options
 from jobrun.cli.group import Subcommand
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, UsageError
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 @click.command("status", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
@@ -57,13 +62,15 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
         ]
     for note in found.notes:
         click.echo(f"jobrun: note: {printable(note)}", err=True)
+    # A key never recorded and not held has no row to show: an empty one would look real.
+    rows = [row for row in found.keys if row.key not in unknown or row.holder is not None]
     if as_json:
-        click.echo(json.dumps([row.as_json() for row in found.keys], indent=2))
-    elif found.keys:
-        click.echo(status.status_table(found.keys, wide=wide))
+        click.echo(json.dumps([row.as_json() for row in rows], indent=2))
+    elif rows:
+        click.echo(status.status_table(rows, wide=wide))
     elif found.unreadable:
         click.echo(f"nothing to show: {', '.join(found.unreadable)} not readable")
-    else:
+    elif not unknown:
         click.echo("nothing held, no run history")
     if check:
         # A check that could not look is no all-clear (the notes above say what was refused).
@@ -266,13 +273,31 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
-        run_id = runids.resolve(conn, run_id)
+        try:
+            run_id = runids.resolve(conn, run_id)
+        except runids.NoSuchRun:
+            _refuse_unless_granted(conn, run_id)
+            raise
         run = tenants.read_output(conn, run_id)
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1
     _write_bytes(kept.render(run, raw=raw))
     return 0 if run["stdout"] is not None or run["stderr"] is not None else 1
+
+
+def _refuse_unless_granted(conn: psycopg.Connection[Any], text: str) -> None:
+    """``show KEY`` found nothing: NotGranted if KEY is a key this role may not read.
+
+    (A run id names no key: a run this role may not see stays "no such run".)
+    """
+    from jobrun import keys, records
+
+    try:
+        label = keys.normalized_label(text)
+    except UsageError:
+        return
+    records.refuse_unless_granted(conn, label, "read")
 
 
 def _write_bytes(data: bytes) -> None:

@@ -25,11 +25,9 @@ def init_command(print_sql: bool, dsn: str, connect_timeout: float) -> int:
     roles. Safe to run again; history written before stays, readable by those granted it.
     """
     from jobrun import tenants
-    from jobrun.sql.tenants import OPERATOR_ROLE, READER_ROLE
 
     if print_sql:
-        ours = [OPERATOR_ROLE, READER_ROLE]
-        click.echo(tenants.as_text(tenants.init_statements(make_roles=ours, roles=ours)), nl=False)
+        click.echo(tenants.init_script(), nl=False)
         return 0
     with options.connected(
         dsn, connect_timeout, app_name="jobrun-init", doing="initialising jobrun's schema"

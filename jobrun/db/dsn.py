@@ -120,7 +120,118 @@ def parse_dsn(dsn: str) -> dict[str, Any]:
             "--dsn/JOBRUN_DSN: the URI has more than one '@' before the host; an '@' inside "
             "the user name or password must be written %40"
         )
+    _check_values(params, dsn)
     return params
+
+
+#: Values libpq accepts for its keyword options (as of libpq 18), checked before any
+#: connection: psycopg resolves host names before libpq sees the string, so a typo here
+#: would otherwise read as an unreachable server (exit 69), which ``--on-db-error run``
+#: runs unguarded. A value libpq accepts is never refused.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "load_balance_hosts": ("disable", "random"),
+    "ssl_min_protocol_version": ("", "TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"),
+    "ssl_max_protocol_version": ("", "TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"),
+}
+#: Of those, the ones libpq compares without regard to case.
+_ANY_CASE = ("ssl_min_protocol_version", "ssl_max_protocol_version")
+#: Options libpq reads as integers (jobrun sets some of them itself, but a typo in one is
+#: still a typo the user should hear of).
+_INTEGERS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+#: Where libpq looks when the connection string does not set an option.
+_VARIABLES = {
+    "port": "PGPORT",
+    "hostaddr": "PGHOSTADDR",
+    "sslmode": "PGSSLMODE",
+    "gssencmode": "PGGSSENCMODE",
+    "channel_binding": "PGCHANNELBINDING",
+    "sslcertmode": "PGSSLCERTMODE",
+    "sslnegotiation": "PGSSLNEGOTIATION",
+    "target_session_attrs": "PGTARGETSESSIONATTRS",
+    "load_balance_hosts": "PGLOADBALANCEHOSTS",
+    "ssl_min_protocol_version": "PGSSLMINPROTOCOLVERSION",
+    "ssl_max_protocol_version": "PGSSLMAXPROTOCOLVERSION",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+}
+#: libpq's parse_int_param: an optional sign, digits, surrounding blanks.
+_INTEGER = r"\s*[-+]?\d+\s*"
+_MAX_PORT = 65535
+
+
+def _check_values(params: dict[str, Any], dsn: str) -> None:
+    """UsageError for a value libpq would refuse (the DSN's, else its PG* variable's).
+
+    One line, the value shown with passwords masked: a port, an integer option, a
+    numeric host address, or one of a fixed set of words.
+    """
+    env = os.environ
+    for name in ("port", "hostaddr", *_CHOICES, *_INTEGERS):
+        where = "--dsn/JOBRUN_DSN"
+        value = params.get(name)
+        variable = _VARIABLES.get(name)
+        if value is None and variable is not None and variable in env:
+            where, value = variable, env[variable]
+        if value is None:
+            continue
+        problem = _problem(name, str(value))
+        if problem is not None:
+            secrets = (str(params.get("password") or ""), *_uri_passwords(dsn))
+            secrets += (env.get("PGPASSWORD", ""),)
+            shown = redact(safe_text(problem), tuple(s for s in secrets if s))
+            raise UsageError(f"{where}: {shown} (libpq would refuse it before connecting)")
+
+
+def _problem(name: str, value: str) -> str | None:
+    """What libpq would say is wrong with ``name=value`` (None: it would take it)."""
+    if name == "port":
+        bad = [port for port in value.split(",") if port.strip() and not _is_port(port)]
+        return f'invalid port "{bad[0]}": a number from 1 to {_MAX_PORT}' if bad else None
+    if name == "hostaddr":
+        bad = [addr for addr in value.split(",") if addr.strip() and not _is_address(addr)]
+        return (
+            f'invalid hostaddr "{bad[0]}": a numeric IP address (host= takes a name)'
+            if bad
+            else None
+        )
+    if name in _INTEGERS:
+        return None if re.fullmatch(_INTEGER, value) else f'invalid {name} "{value}": an integer'
+    choices = _CHOICES[name]
+    found = value.lower() if name in _ANY_CASE else value
+    if found in (choice.lower() if name in _ANY_CASE else choice for choice in choices):
+        return None
+    return f'invalid {name} "{value}": one of {", ".join(c for c in choices if c)}'
+
+
+def _is_port(text: str) -> bool:
+    return bool(re.fullmatch(_INTEGER, text)) and 1 <= int(text) <= _MAX_PORT
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.strip())
+    except ValueError:
+        return False
+    return True
 
 
 def _check_uri(dsn: str) -> None:

@@ -6,9 +6,12 @@ the server's own line, and the pid and time the envelope gives (None when it giv
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import TYPE_CHECKING, Any
+
+from jobrun.deadlocks.sources import LINE_LIMIT
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -63,6 +66,8 @@ def unwrap(lines: Iterable[str], envelope: re.Pattern[str]) -> Iterator[Line]:
     than 900 bytes is cut into several records that are joined back here.
     """
     pending: Line | None = None
+    chunks: list[str] = []  # the pending line's later chunks, joined once (not at each one)
+    room = 0  # characters the pending line may still grow by
     last_chunk_bytes = 0
     last_seq: tuple[int, str] | None = None
     for number, raw in enumerate(lines, start=1):
@@ -83,14 +88,20 @@ def unwrap(lines: Iterable[str], envelope: re.Pattern[str]) -> Iterator[Line]:
         )
         last_chunk_bytes = len(match["text"].encode())
         last_seq = seq
-        if cut and pending is not None:
-            pending = (pending[0], pending[1] + text, pending[2], pending[3])
+        if cut:
+            if len(text) <= room:  # past LINE_LIMIT a crafted run of chunks is dropped
+                chunks.append(text)
+                room -= len(text)
             continue
         if pending is not None:
-            yield pending
-        pending = (number, text, pid, match["time"])
+            yield _joined(pending, chunks)
+        pending, chunks, room = (number, text, pid, match["time"]), [], LINE_LIMIT - len(text)
     if pending is not None:
-        yield pending
+        yield _joined(pending, chunks)
+
+
+def _joined(line: Line, chunks: list[str]) -> Line:
+    return (line[0], "".join([line[1], *chunks]), line[2], line[3]) if chunks else line
 
 
 def cloud_text(record: dict[str, Any]) -> str | None:
@@ -130,37 +141,68 @@ def json_records(lines: Iterable[str], *, array: bool) -> Iterator[tuple[int, di
     for number, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than any record
             continue
         if isinstance(record, dict):
             yield number, record
 
 
-def _array_records(lines: Iterable[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """The objects of one JSON array, decoded one at a time as its lines arrive."""
+class ReadStopped(Exception):
+    """The rest of a file cannot be read (a JSON value that never ends); the reason says why."""
+
+
+def _array_records(  # noqa: C901 - one pass over the text, each case a few lines
+    lines: Iterable[str],
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The objects of one JSON array (or several, one after the other), decoded as they arrive.
+
+    An element is decoded again only once the text held has doubled since the last try:
+    trying at every line would decode a long element over and over, which is quadratic.
+    """
     decoder = json.JSONDecoder()
-    buffer = ""
-    consumed_lines = 1  # line number of buffer[0]
+    parts: list[str] = []
+    held = 0  # characters in parts
+    tried = 0  # characters held when an element last failed to decode
+    line_number = 1  # line number of the first character held
     started = False
-    for line in lines:
-        buffer += line
+    for line in itertools.chain(lines, [None]):
+        if line is not None:
+            parts.append(line)
+            held += len(line)
+            if held < min(2 * tried, LINE_LIMIT + 1):
+                continue
+        buffer = "".join(parts)
         while True:
             stripped = buffer.lstrip()
-            consumed_lines += buffer[: len(buffer) - len(stripped)].count("\n")
-            buffer = stripped
-            if not started:
-                if not buffer.startswith("["):
-                    break
-                buffer, started = buffer[1:], True
+            line_number += buffer.count("\n", 0, len(buffer) - len(stripped))
+            buffer, tried = stripped, 0
+            if not buffer:
+                break
+            if not started:  # text after an array is dropped, never held
+                buffer, started = (buffer[1:], True) if buffer[0] == "[" else ("", False)
                 continue
-            if buffer[:1] in {",", "]"}:
-                buffer = buffer[1:]
+            if buffer[0] in ",]":
+                buffer, started = buffer[1:], buffer[0] == ","
                 continue
             try:
                 record, end = decoder.raw_decode(buffer)
             except ValueError:
-                break  # an object not read to its end yet
+                tried = len(buffer)  # an element not read to its end yet
+                break
+            except RecursionError:
+                raise ReadStopped(
+                    f"stopped at line {line_number}: a JSON value nested too deeply to "
+                    "read; the rest was not read"
+                ) from None
             if isinstance(record, dict):
-                yield consumed_lines, record
-            consumed_lines += buffer[:end].count("\n")
+                yield line_number, record
+            line_number += buffer.count("\n", 0, end)
             buffer = buffer[end:]
+        parts, held = ([buffer], len(buffer)) if buffer else ([], 0)
+        if tried > LINE_LIMIT:
+            raise ReadStopped(
+                f"stopped at line {line_number}: a JSON value not ended within "
+                f"{LINE_LIMIT // 1024} KiB; the rest was not read"
+            )
+    if parts:
+        raise ReadStopped(f"the file ends inside the JSON value begun at line {line_number}")

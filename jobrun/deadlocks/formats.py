@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from jobrun.deadlocks import envelopes, records
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import Layout, PrefixChooser, prefix_pattern
-from jobrun.deadlocks.sources import container_lead, strip_lead
+from jobrun.deadlocks.prefix import PREFIX_WINDOW, Layout, PrefixChooser, prefix_pattern
+from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 #: that goes while the lines read cannot tell the best layouts apart.
 SNIFF_LINES = 2000
 MAX_SNIFF_LINES = 32000
+#: Characters of those lines held at most: lines may each be LINE_LIMIT long.
+SNIFF_CHARS = 16 * 2**20
 #: JSON records read to tell their shape (CloudNativePG starts with the operator's own).
 SNIFF_RECORDS = 1000
 #: The start of a JSON array of records (``gcloud logging read --format=json``), as
@@ -33,6 +35,7 @@ SNIFF_RECORDS = 1000
 _ARRAY = re.compile(r"\[\s*(?:\{|\Z)")
 #: A DETAIL line of a deadlock pasted with no indentation at all.
 _BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
+_T = TypeVar("_T", str, "Line")
 _NOT_A_LOG = (
     "nothing in it looks like a PostgreSQL server log (stderr, csvlog, jsonlog, syslog, "
     "or a cloud export); if the stderr prefix is unusual, pass --log-line-prefix as set "
@@ -50,19 +53,27 @@ class Reading:
     why: str | None = None
     #: Continuation lines indented with spaces, counted while the entries are read.
     reindented: int = 0
+    #: Messages (or csvlog records) that went past LINE_LIMIT: the text past it dropped.
+    cut: int = 0
+
+    def count_cut(self) -> None:
+        """One more message cut."""
+        self.cut += 1
 
 
-def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
+def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Reading:
     """The log's format and its entries (streamed: read them before the next file)."""
-    head: list[str] = []
-    for line in stream:  # blank lines before the first entry are kept: line numbers count them
-        head.append(line)
+    stream = iter(stream)
+    blank = 0  # blank lines before the first entry: counted, not held; line numbers count them
+    first = ""
+    for line in stream:
         if line.strip():
+            first = line
             break
-    if not head or not head[-1].strip():
+        blank += 1
+    if not first:
         return Reading("empty")
-    lines: Iterator[str] = itertools.chain(head, stream)
-    first = head[-1]
+    lines: Iterator[str] = itertools.chain(itertools.repeat("\n", blank), [first], stream)
     lead = container_lead(first)
     if lead is not None:
         lines = strip_lead(lines, lead)
@@ -73,23 +84,27 @@ def read_entries(stream: IO[str], source: str, prefix: str | None) -> Reading:
     if start.startswith("{"):
         return _json(envelopes.json_records(lines, array=False), source, prefix)
     if records.looks_like_csv(first):
-        return Reading("csv", records.csv_entries(lines, source))
-    sniffed = list(itertools.islice(lines, SNIFF_LINES))
+        reading = Reading("csv")
+        reading.entries = records.csv_entries(lines, source, on_cut=reading.count_cut)
+        return reading
+    sniffed = _head(lines, SNIFF_LINES)
     envelope = envelopes.sniff_envelope(sniffed)
     rest = itertools.chain(sniffed, lines)
     if envelope is not None:
         fmt = "logplex" if envelope is envelopes.LOGPLEX else "syslog"
         return _stderr(fmt, envelopes.unwrap(rest, envelope), source, prefix, pid_known=True)
-    plain = ((number, line, None, None) for number, line in enumerate(rest, start=1))
+    # zip, not a generator expression: tuples made in C, for the millions of lines of a log
+    none = itertools.repeat(None)
+    plain: Iterator[Line] = zip(itertools.count(1), rest, none, none)
     return _stderr("stderr", plain, source, prefix, pid_known=False)
 
 
 def _json(
     found: Iterator[tuple[int, dict[str, object]]], source: str, prefix: str | None
 ) -> Reading:
-    sniffed = list(itertools.islice(found, SNIFF_RECORDS))
-    rest = itertools.chain(sniffed, found)
-    for _, record in sniffed:
+    # The records before the first of a known shape are not kept: both readers skip them.
+    for number, record in itertools.islice(found, SNIFF_RECORDS):
+        rest = itertools.chain([(number, record)], found)
         shape = records.json_shape(record)
         if shape is not None:
             return Reading(shape, records.json_entries(rest, source))
@@ -107,7 +122,7 @@ def _stderr(
     fmt: str, lines: Iterator[Line], source: str, prefix: str | None, *, pid_known: bool
 ) -> Reading:
     """Entries of a stderr log, the prefix given or chosen from the first lines."""
-    sniffed = list(itertools.islice(lines, SNIFF_LINES))
+    sniffed = _head(lines, SNIFF_LINES)
     if prefix is not None:
         layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
     else:
@@ -116,8 +131,8 @@ def _stderr(
         layout, tied = chooser.best()
         # A quiet server's log can open with thousands of checkpoint lines, which every
         # layout with %q reads alike: read on until a session's line tells them apart.
-        while tied and len(sniffed) < MAX_SNIFF_LINES:
-            more = list(itertools.islice(lines, len(sniffed)))
+        while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
+            more = _head(lines, len(sniffed))
             if not more:
                 break
             sniffed += more
@@ -132,7 +147,27 @@ def _stderr(
     return reading
 
 
-def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few lines
+def _head(lines: Iterator[_T], count: int) -> list[_T]:
+    """The next ``count`` lines, fewer once they hold SNIFF_CHARS characters."""
+    taken: list[_T] = []
+    held = 0
+    for line in itertools.islice(lines, count):
+        taken.append(line)
+        held += _size(line)
+        if held >= SNIFF_CHARS:
+            break
+    return taken
+
+
+def _size(line: str | Line) -> int:
+    return len(line) if isinstance(line, str) else len(line[1])
+
+
+def _chars(lines: list[_T]) -> int:
+    return sum(map(_size, lines))
+
+
+def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case a few lines
     lines: Iterable[Line], source: str, pattern: re.Pattern[str], reading: Reading
 ) -> Iterator[Entry]:
     """Entries of a stderr log.
@@ -146,12 +181,14 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
     current: Entry | None = None
     last_key: str | None = None
     indent: int | None = None
+    more: list[str] = []  # continuation lines of the field being read, joined at its end
+    room = 0  # characters that field may still grow by
     for number, raw, envelope_pid, envelope_time in lines:
         line = raw.rstrip("\r\n")
         if current is not None and line.startswith("\t"):
-            _continue(current, last_key, line[1:])
+            room = _more(more, line[1:], room, reading)
             continue
-        match = pattern.match(line)
+        match = pattern.match(line, 0, PREFIX_WINDOW)  # the message runs on past it
         if match is None:
             if current is None:
                 continue  # output of a crashed extension, a pg_ctl message...
@@ -159,12 +196,14 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
             if spaces and line.strip():
                 indent = spaces if indent is None else indent
                 reading.reindented += 1
-                _continue(current, last_key, line[min(indent, spaces) :])
+                room = _more(more, line[min(indent, spaces) :], room, reading)
             elif last_key == "detail" and _BARE_PROCESS.match(line):
                 reading.reindented += 1
-                _continue(current, last_key, line)
+                room = _more(more, line, room, reading)
             continue
         groups = match.groupdict()
+        if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
+            groups["message"] = line[match.start("message") :]
         pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
         if groups.get("session") and not groups.get("pid"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
@@ -174,11 +213,16 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
             and current is not None
             and current.pid == pid
         ):
+            if more:  # tested here: a call per entry costs a log of millions
+                _join(current, last_key, more)
             current.extra[severity.lower()] = groups["message"]
             last_key = severity.lower()
             indent = None
+            room = LINE_LIMIT  # past the field's first line, which a line's limit bounds
             continue
         if current is not None:
+            if more:  # tested here: a call per entry costs a log of millions
+                _join(current, last_key, more)
             yield current
         current = Entry(
             source=source,
@@ -193,12 +237,28 @@ def _stderr_entries(  # noqa: C901 - one pass over the lines, each case a few li
         )
         last_key = None
         indent = None
+        room = LINE_LIMIT
     if current is not None:
+        _join(current, last_key, more)
         yield current
 
 
-def _continue(entry: Entry, key: str | None, text: str) -> None:
+def _more(more: list[str], text: str, room: int, reading: Reading) -> int:
+    """Keep a continuation line while its field has room; the room left (-1: cut, counted)."""
+    if len(text) < room:
+        more.append(text)
+        return room - len(text) - 1
+    if room >= 0:
+        reading.cut += 1
+    return -1
+
+
+def _join(entry: Entry, key: str | None, more: list[str]) -> None:
+    """The field's continuation lines added to it, in one join (adding each is quadratic)."""
+    if not more:
+        return
     if key is None:
-        entry.message += "\n" + text
+        entry.message = "\n".join([entry.message, *more])
     else:
-        entry.extra[key] += "\n" + text
+        entry.extra[key] = "\n".join([entry.extra[key], *more])
+    more.clear()

@@ -106,9 +106,19 @@ class FileRead:
     duplicates: int = 0
     #: Continuation lines indented with spaces instead of a tab.
     reindented: int = 0
+    #: Lines (or messages) longer than the reader keeps, cut there.
+    lines_cut: int = 0
+    #: Why the file was not read to its end (a decompression bomb...), or None.
+    stopped: str | None = None
     error: str | None = None
-    #: The exit status this file alone calls for: 0, 65 (not understood), 66 (unreadable).
+    #: The exit status this file alone calls for: 0, 65 (not understood, or read in part),
+    #: 66 (unreadable).
     status: int = 0
+
+    @property
+    def partial(self) -> bool:
+        """Read as a server log, entries and all, but not all of it (cut or stopped)."""
+        return self.error is not None and bool(self.format) and self.entries > 0
 
     def as_json(self) -> dict[str, Any]:
         """The file for ``--json``."""
@@ -120,6 +130,8 @@ class FileRead:
             "deadlocks": self.deadlocks,
             "duplicates": self.duplicates,
             "reindented_lines": self.reindented,
+            "lines_cut": self.lines_cut,
+            "stopped": self.stopped,
             "error": self.error,
         }
 
@@ -153,7 +165,7 @@ class Found:
 
     @property
     def unread(self) -> list[FileRead]:
-        """The files that could not be read as a server log."""
+        """The files that could not be read as a server log, or only in part."""
         return [read for read in self.files if read.error is not None]
 
     def as_json(self) -> dict[str, Any]:

@@ -33,6 +33,10 @@ ENVELOPED_PREFIXES: tuple[str, ...] = (
     "",  # syslog with no log_line_prefix: syslog gives the time and the pid
 )
 
+#: Characters of a line that its prefix and severity must fit in (a real prefix takes a few
+#: hundred at most): the lazy fields of a layout (``%u@%d %a``) backtrack, and on a crafted
+#: line would do so over its whole length, in time that grows with its square.
+PREFIX_WINDOW = 1024
 SEVERITIES = (
     "DEBUG1|DEBUG2|DEBUG3|DEBUG4|DEBUG5|INFO|NOTICE|WARNING|ERROR|LOG|FATAL|PANIC|"
     "DETAIL|HINT|QUERY|CONTEXT|LOCATION|STATEMENT"
@@ -136,7 +140,7 @@ class PrefixChooser:
         for layout, score in self._scores.items():
             hits, typed, named = score
             for line in stripped:
-                match = layout.pattern.match(line)
+                match = layout.pattern.match(line, 0, PREFIX_WINDOW)
                 if match is None:
                     continue
                 groups = match.groupdict()

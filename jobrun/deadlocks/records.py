@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from jobrun.deadlocks.model import Entry
 from jobrun.deadlocks.prefix import SEVERITIES
+from jobrun.deadlocks.sources import LINE_LIMIT
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
-#: Longest csvlog field accepted (a statement of a bulk INSERT can be megabytes).
-_CSV_FIELD_LIMIT = 64 * 1024 * 1024
+#: Longest csvlog field accepted (a statement of a bulk INSERT can be megabytes): as long
+#: as a line, since csv holds a field at 4 bytes a character while it reads it.
+_CSV_FIELD_LIMIT = LINE_LIMIT
 #: csvlog columns (stable since 9.0 up to application_name; later versions append more).
 _CSV_COLUMNS = {
     "time": 0,
@@ -66,6 +68,7 @@ _JSON_FIELDS["azure"] = {
 
 def looks_like_csv(line: str) -> bool:
     """A csvlog record's first line: a pid in column 4 and a severity in column 12."""
+    _allow_long_fields()
     try:
         row = next(csv.reader([line]))
     except (csv.Error, StopIteration):
@@ -74,11 +77,14 @@ def looks_like_csv(line: str) -> bool:
     return len(row) >= 12 and row[3].isdigit() and bool(re.fullmatch(SEVERITIES, row[11]))  # noqa: PLR2004
 
 
-def csv_entries(lines: Iterable[str], source: str) -> Iterator[Entry]:
-    """Entries of a csvlog file: one CSV record per message, DETAIL in its own column."""
-    # WARNING: csv's default field limit (128 KiB) rejects a long statement; the limit is
-    # process-wide, so it is only ever raised.
-    csv.field_size_limit(max(csv.field_size_limit(), _CSV_FIELD_LIMIT))
+def csv_entries(
+    lines: Iterable[str], source: str, on_cut: Callable[[], None] = lambda: None
+) -> Iterator[Entry]:
+    """Entries of a csvlog file: one CSV record per message, DETAIL in its own column.
+
+    A record with a field longer than the limit is skipped, and ``on_cut`` called.
+    """
+    _allow_long_fields()
     reader = csv.reader(lines)
     while True:
         start = reader.line_num + 1
@@ -86,7 +92,9 @@ def csv_entries(lines: Iterable[str], source: str) -> Iterator[Entry]:
             row = next(reader)
         except StopIteration:
             return
-        except csv.Error:
+        except csv.Error as exc:
+            if "field limit" in str(exc):
+                on_cut()
             continue  # a damaged record: skip it, keep reading
         if len(row) <= _CSV_COLUMNS["severity"] or not row[3].isdigit():
             continue
@@ -112,6 +120,12 @@ def csv_entries(lines: Iterable[str], source: str) -> Iterator[Entry]:
             if value is not None:
                 entry.extra[key] = value
         yield entry
+
+
+def _allow_long_fields() -> None:
+    # WARNING: csv's default field limit (128 KiB) rejects a long statement; the limit is
+    # process-wide, so it is only ever raised.
+    csv.field_size_limit(max(csv.field_size_limit(), _CSV_FIELD_LIMIT))
 
 
 def json_shape(record: dict[str, Any]) -> str | None:

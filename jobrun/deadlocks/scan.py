@@ -5,16 +5,18 @@ from __future__ import annotations
 import re
 from typing import IO, TYPE_CHECKING
 
+from jobrun.deadlocks.envelopes import ReadStopped
 from jobrun.deadlocks.formats import read_entries
 from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
 from jobrun.deadlocks.sessions import SessionLog
-from jobrun.deadlocks.sources import NoInputError, open_log
+from jobrun.deadlocks.sources import LINE_LIMIT, NoInputError, open_log
 from jobrun.deadlocks.storms import storms
 from jobrun.exitcodes import Exit
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Iterable
 
+    from jobrun.deadlocks.formats import Reading
     from jobrun.deadlocks.model import Entry
 
 DEADLOCK_MESSAGE = "deadlock detected"
@@ -71,34 +73,61 @@ def _read(
 ) -> _Scanner:
     """One file read to its end; its FileRead says what it was read as, or why not."""
     scanner = _Scanner(path if path != "-" else "(stdin)", sessions)
+    reading: Reading | None = None
+    stopped: str | None = None
     try:
-        with open_log(path, stdin) as (stream, packed):
-            reading = read_entries(stream, scanner.source, prefix)
-            for entry in reading.entries:
-                scanner.feed(entry)
+        with open_log(path, stdin) as (text, packed):
+            # What a crafted file can make the reader raise ends this file, not the command.
+            try:
+                reading = read_entries(text, scanner.source, prefix)
+                for entry in reading.entries:
+                    scanner.feed(entry)
+            except ReadStopped as exc:
+                stopped = str(exc)
+            except RecursionError:
+                stopped = "stopped: a value nested too deeply to read; the rest was not read"
+            except MemoryError:
+                stopped = "stopped: out of memory while reading it; the rest was not read"
     except NoInputError as exc:
         scanner.file.error, scanner.file.status = str(exc), NoInputError.exit_code
         return scanner
     read = scanner.file
-    packing = f", {packed}" if packed is not None and reading.format is not None else ""
-    read.format = reading.format and reading.format + packing
-    read.prefix, read.reindented = reading.prefix, reading.reindented
     read.entries, read.deadlocks = scanner.entries, len(scanner.deadlocks)
+    read.stopped = stopped or text.stopped
+    read.lines_cut = text.cut + (reading.cut if reading is not None else 0)
+    limits = [read.stopped] if read.stopped is not None else []
+    if read.lines_cut:
+        limits.append(
+            f"{read.lines_cut} line(s) cut at {LINE_LIMIT // 1024} KiB (longer than a server "
+            "writes: what was cut is not read)"
+        )
+    why = None
+    if reading is not None:
+        packing = f", {packed}" if packed is not None and reading.format is not None else ""
+        read.format = reading.format and reading.format + packing
+        read.prefix, read.reindented = reading.prefix, reading.reindented
+        why = _not_read(reading, read.entries, prefix, stopped=bool(limits))
+    if why is not None or limits:
+        read.error = f"{scanner.source}: " + "; ".join([*limits, *([why] if why else [])])
+        read.status = Exit.DATA_ERROR
+    return scanner
+
+
+def _not_read(reading: Reading, entries: int, prefix: str | None, *, stopped: bool) -> str | None:
+    """Why a file read to its end (or as far as it goes) gave nothing, or None."""
     if reading.format is None:
-        read.error = f"{scanner.source}: {reading.why}"
-    elif read.entries == 0 and reading.format != "empty":
+        return reading.why
+    if entries == 0 and reading.format != "empty" and not stopped:
         how = (
             f"--log-line-prefix {prefix!r}"
             if prefix is not None
             else f"the {reading.format} format"
         )
-        read.error = (
-            f"{scanner.source}: not empty, yet {how} reads no entry from it; "
+        return (
+            f"not empty, yet {how} reads no entry from it; "
             "check log_line_prefix in postgresql.conf (SHOW log_line_prefix)"
         )
-    if read.error is not None:
-        read.status = Exit.DATA_ERROR
-    return scanner
+    return None
 
 
 def _identity(deadlock: Deadlock) -> Hashable | None:

@@ -6,7 +6,7 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -72,7 +72,7 @@ class Run:
 
 
 def cron_runs(
-    stream: IO[str], source: str, *, year: int, assume: dt.timedelta = ASSUME_DURATION
+    stream: Iterable[str], source: str, *, year: int, assume: dt.timedelta = ASSUME_DURATION
 ) -> list[Run]:
     """Runs from cron's lines; other lines (other daemons in a syslog) are skipped.
 
@@ -107,7 +107,7 @@ def cron_runs(
     return runs
 
 
-def journal_runs(stream: IO[str], source: str) -> list[Run]:
+def journal_runs(stream: Iterable[str], source: str) -> list[Run]:
     """Runs of .service units from ``journalctl -o json`` (one JSON object per line).
 
     A run goes from systemd's ``Starting``/``Started`` message about the unit (``UNIT`` or
@@ -157,7 +157,7 @@ def _record(line: str) -> tuple[dt.datetime, dict[str, object]] | None:
     try:
         record = json.loads(line)
         stamp = int(str(record["__REALTIME_TIMESTAMP"]))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested deep
         return None
     if not isinstance(record, dict):
         return None

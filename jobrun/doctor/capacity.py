@@ -20,6 +20,16 @@ LOCK_TABLE_FAIL = 0.9
 _PERCENT = 100
 
 
+def _create_fix(conn: Connection) -> str:
+    """What makes jobrun's schema and tables creatable, or created (docs/operations.md)."""
+    role, database = (printable(name or "").replace('"', '""') for name in (
+        conn.info.user, conn.info.dbname))  # fmt: skip
+    return (
+        f'fix: GRANT CREATE ON DATABASE "{database}" TO "{role}" (its first run creates them), '
+        f"or have the owner run jobrun init, then jobrun grant {role} --keys PATTERN"
+    )
+
+
 def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
     """The jobrun schema and its tables: there, or creatable, and usable by this role."""
     exists, create_in_db, usage, create_in_schema = query.one(conn, sql.DOCTOR_SCHEMA)
@@ -41,8 +51,8 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
                 lease_needed,
                 "schema",
                 "jobrun schema missing and this role may not create it (no CREATE on the "
-                "database): lease mode cannot work and run history is not kept; have an "
-                "owner run CREATE SCHEMA jobrun AUTHORIZATION <role>, or GRANT CREATE",
+                "database): lease mode cannot work and run history is not kept; "
+                + _create_fix(conn),
             )
         ]
     if not usage:
@@ -66,11 +76,17 @@ def schema(conn: Connection, mode: str, *, read_only: bool) -> list[Finding]:
     ):
         present, *privileges = query.one(conn, sql.DOCTOR_TABLE, {"table": table})
         name = f"jobrun.{table}"
-        if not present and create_in_schema:
+        if not present and create_in_schema and create_in_db:
             findings.append(Finding(OK, name, "not there yet; created on first use"))
             continue
         if not present:
-            why = f"missing, and this role may not create it: {purpose} will not work"
+            # WARNING: a run creates a missing table with CREATE SCHEMA IF NOT EXISTS first,
+            # which asks for CREATE on the database even when the schema is there.
+            lacks = "CREATE on the database" if create_in_schema else "CREATE on the schema"
+            why = (
+                f"missing, and this role may not create it (no {lacks}): {purpose} will "
+                f"not work; {_create_fix(conn)}"
+            )
             findings.append(Finding(severity, name, why))
             continue
         missing = [

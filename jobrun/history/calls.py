@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
+import time
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors
+from psycopg import errors, pq
 from psycopg.rows import dict_row
 
 from jobrun import db, sql
-from jobrun.exitcodes import JobrunError
+from jobrun.exitcodes import JobrunError, LockStoreUnavailable
 from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
@@ -18,13 +21,17 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.session import ServerSession
+    from jobrun.session import Ending, ServerSession
 
     Connection = psycopg.Connection[Any]
     Rows = list[dict[str, Any]]
 
 #: A connection of the history's own gives up connecting after this long.
 CONNECT_TIMEOUT = 5.0
+#: First and longest pause between two tries of the run's end row (jittered); the tries
+#: go on for the run's --connect-timeout after the first failure.
+_FIRST_RETRY = 0.1
+_MAX_RETRY = 1.0
 
 
 def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
@@ -72,6 +79,10 @@ class Calls:
         self._timeout = timeout
         self._log = log
         self._session = session
+        #: How long the run's end row is asked again after its connection failed.
+        self._retry_for = target.connect_timeout
+        #: While retrying: no connection of the history's own may outlast this deadline.
+        self._connect_by: float | None = None
         #: False: a missing table means no rows (a read that must not create the schema).
         self._create_schema = create_schema
         self._warned = False
@@ -93,6 +104,7 @@ class Calls:
         without_control: Sequence[str] | None = None,
         last: bool = False,
         otherwise: Sequence[str] | None = None,
+        retry: bool = False,
     ) -> list[Rows] | None:
         """The rows of each statement, or None (warned) when the history is unavailable.
 
@@ -103,37 +115,88 @@ class Calls:
         it one on the run's session (``ServerSession.end_with``): no round trip of its own.
         ``otherwise``: the call without an extra it carries (a failed run's output tails),
         sent when the server refused the call (a role that may not add the tails' columns
-        must not lose its end row to them).
+        must not lose its end row to them). ``retry``: a call whose connection failed (a
+        restart, a failover) is sent again, on a connection of its own, for up to the
+        run's --connect-timeout after the first failure (the run's end row: without it
+        the run would stay "running").
         """
         if self.gave_up:
             return None
+        deadline: float | None = None
+        backoff = _FIRST_RETRY
         try:
-            try:
-                return self._on_connection(statements, params, last=last)
-            except psycopg.Error as exc:
-                if otherwise is None or isinstance(exc, psycopg.OperationalError):
-                    raise
-                # No line of its own: what was left out says why (output_not_stored).
-                return self._on_connection(otherwise, params, last=last)
-        except errors.InsufficientPrivilege as exc:
-            rows = self._without_control(during, exc, without_control, params)
-            if rows is not None:
-                return rows
-            self._failed(during, db.one_line(exc, self._target))
-        except JobrunError as exc:  # from db.connect: unreachable or refused
-            self.gave_up = True
-            self._failed(during, str(exc))
+            while True:
+                rows, exc = self._try(statements, params, last=last, otherwise=otherwise)
+                if exc is None:
+                    return rows
+                if isinstance(exc, errors.InsufficientPrivilege):
+                    rows = self._without_control(during, exc, without_control, params)
+                    if rows is None:
+                        self._failed(during, db.one_line(exc, self._target))
+                    return rows
+                now = time.monotonic()
+                deadline = now + self._retry_for if deadline is None else deadline
+                pause = min(backoff, deadline - now)
+                if not (retry and _connection_failed(exc) and pause > 0):
+                    self._give_up(exc)
+                    self._failed(during, self._text(exc))
+                    return None
+                # The run's end row, whose connection failed (a restart, a failover): without
+                # it the run stays "running". Asked again on a connection of its own, until
+                # the run's --connect-timeout has passed since the first failure.
+                self._connect_by = deadline
+                self._log.debug("history_retry", during=during, error=self._text(exc))
+                time.sleep(random.uniform(pause / 2, pause))  # noqa: S311 - jitter, not crypto
+                backoff = min(_MAX_RETRY, backoff * 2)
+        finally:
+            self._connect_by = None
+
+    def _try(
+        self,
+        statements: Sequence[str],
+        params: Mapping[str, object],
+        *,
+        last: bool,
+        otherwise: Sequence[str] | None,
+    ) -> tuple[list[Rows] | None, JobrunError | psycopg.Error | None]:
+        """The rows of one try, or the database's error."""
+        try:
+            return self._attempt(statements, params, last=last, otherwise=otherwise), None
+        except (JobrunError, psycopg.Error) as exc:
+            return None, exc
+
+    def _attempt(
+        self,
+        statements: Sequence[str],
+        params: Mapping[str, object],
+        *,
+        last: bool,
+        otherwise: Sequence[str] | None,
+    ) -> list[Rows]:
+        """One try of the call (then of ``otherwise`` when the server refused it)."""
+        try:
+            return self._on_connection(statements, params, last=last)
         except psycopg.Error as exc:
-            # A broken connection costs time: never twice. The lock session breaking under a
-            # call is not the database given up on: the next call connects on its own.
-            if (
-                isinstance(exc, psycopg.OperationalError)
-                and not isinstance(exc, errors.QueryCanceled | errors.LockNotAvailable)
-                and not (self._on_lock_session and self._usable() is None)
-            ):
-                self.gave_up = True
-            self._failed(during, db.one_line(exc, self._target))
-        return None
+            if otherwise is None or isinstance(exc, psycopg.OperationalError):
+                raise
+            # No line of its own: what was left out says why (output_not_stored).
+            return self._on_connection(otherwise, params, last=last)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Whether the database is given up on for the rest of the run, after ``exc``.
+
+        A broken connection costs time: never twice. The lock session breaking under a
+        call is not the database given up on: the next call connects on its own.
+        """
+        if isinstance(exc, JobrunError) or (  # JobrunError: db.connect's unreachable, refused
+            isinstance(exc, psycopg.OperationalError)
+            and not isinstance(exc, errors.QueryCanceled | errors.LockNotAvailable)
+            and not (self._on_lock_session and self._usable() is None)
+        ):
+            self.gave_up = True
+
+    def _text(self, exc: BaseException) -> str:
+        return str(exc) if isinstance(exc, JobrunError) else db.one_line(exc, self._target)
 
     def _without_control(
         self,
@@ -182,18 +245,14 @@ class Calls:
                     ending = session.take_ending() if last else None
                     try:
                         rows = self._send(
-                            conn,
-                            statements,
-                            params,
-                            prefix=session.comment,
-                            ending=ending[0] if ending else "",
+                            conn, statements, params, prefix=session.comment, ending=ending
                         )
                     except BaseException:
                         if ending is not None:  # not released: for a retry, or the lock
-                            session.end_with(*ending)
+                            session.restore_ending(ending)
                         raise
                     if ending is not None:
-                        ending[1]()  # the message went through: so did the release
+                        ending.done()  # the message went through: so did the release
                     return rows
         # No session open: lease mode holds none while the child runs, or the lock session
         # is gone (and the lock with it). Session mode then opens its one second session:
@@ -202,7 +261,11 @@ class Calls:
         self._on_lock_session = False
         self.sessions += 1
         self.round_trips += 1  # the connection's own start-up exchange
-        with db.connect(self._target, app_name=self._app_name) as own:
+        target = self._target
+        if self._connect_by is not None:
+            within = max(_FIRST_RETRY, self._connect_by - time.monotonic())
+            target = dataclasses.replace(target, connect_timeout=min(within, CONNECT_TIMEOUT))
+        with db.connect(target, app_name=self._app_name) as own:
             return self._send(own, statements, params)
 
     def _send(
@@ -212,27 +275,57 @@ class Calls:
         params: Mapping[str, object],
         *,
         prefix: str = "",
-        ending: str = "",
+        ending: Ending | None = None,
     ) -> list[Rows]:
         share_ms = max(1, int(self._timeout * 1000 / len(statements)))
         # Bound on the client: a percent sign in the prefix (a host name) must be doubled,
         # and so must one in the ending (bound already: a literal may hold one).
-        message = prefix.replace("%", "%%") + ";\n".join((sql.RUNS_TIMEOUTS, *statements))
-        if ending:
+        body = ";\n".join((sql.RUNS_TIMEOUTS, *statements))
+        opened = ending is not None and ending.after_commit
+        if opened:
+            # WARNING: a COMMIT of the implicit transaction a message runs in makes the
+            # server log "WARNING: there is no transaction in progress" on every run: the
+            # message opens its transaction itself, so the COMMIT ends one that exists.
+            body = f"BEGIN;\n{body};\nCOMMIT"
+        message = prefix.replace("%", "%%") + body
+        if ending is not None:
             # After the history's statements, so only once they went through: a statement
             # that fails ends the message before the release (the lock's own release then
             # does it), and the end row is never missing while the lock is free.
-            message += ";\n" + ending.replace("%", "%%")
+            message += ";\n" + ending.statements.replace("%", "%%")
         values = {**params, "ms": str(share_ms)}
         try:
             self.round_trips += 1
-            return _results(conn, message, values)
+            return self._results(conn, message, values, opened=opened)
         except (errors.UndefinedTable, errors.UndefinedColumn):
             if not self._create_schema:
                 return [[] for _ in statements]
             self.round_trips += 2
             ensure_schema(conn, timeout_ms=int(self._timeout * 1000))
-            return _results(conn, message, values)
+            return self._results(conn, message, values, opened=opened)
+
+    def _results(
+        self, conn: Connection, message: str, values: Mapping[str, object], *, opened: bool
+    ) -> list[Rows]:
+        """``_results`` (after BEGIN's, if ``opened``); an aborted transaction is ended.
+
+        WARNING: a failed statement inside BEGIN leaves the session in an aborted
+        transaction (an implicit one ends with the message): it is rolled back in the same
+        use of the session, before the heartbeat or the lock's release sends anything.
+        """
+        try:
+            found = _results(conn, message, values)
+        except psycopg.Error:
+            if (
+                not conn.closed
+                and not conn.broken
+                and conn.info.transaction_status == pq.TransactionStatus.INERROR
+            ):
+                self.round_trips += 1
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("ROLLBACK")
+            raise
+        return found[1:] if opened else found
 
     def _failed(self, during: str, error: str) -> None:
         self.failures += 1
@@ -246,6 +339,15 @@ class Calls:
             error=error,
             note="the job goes on; this run may be missing from the history",
         )
+
+
+def _connection_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says the connection failed (not the statements, nor TLS or the DSN)."""
+    if isinstance(exc, LockStoreUnavailable):
+        return exc.reason in (db.UNREACHABLE, db.REFUSED)
+    return isinstance(exc, psycopg.OperationalError) and not isinstance(
+        exc, errors.QueryCanceled | errors.LockNotAvailable
+    )
 
 
 def _results(conn: Connection, message: str, values: Mapping[str, object]) -> list[Rows]:

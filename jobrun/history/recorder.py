@@ -215,6 +215,7 @@ class Recorder:
             params,
             last=True,
             otherwise=statements[:2] if len(statements) > 2 else None,  # noqa: PLR2004
+            retry=True,
         )
         row = result[0][0] if result else None
         if kept is not None and result and any(r and "tails_stored" in r[0] for r in result):

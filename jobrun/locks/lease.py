@@ -12,7 +12,13 @@ from psycopg import errors
 
 from jobrun import db, sql
 from jobrun.durations import format_seconds
-from jobrun.exitcodes import LockLost, LockStoreUnavailable, UsageError, not_granted
+from jobrun.exitcodes import (
+    NOT_GRANTED,
+    LockLost,
+    LockStoreUnavailable,
+    UsageError,
+    not_granted,
+)
 from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
@@ -223,16 +229,11 @@ class LeaseLock:
         # than the database's own start of the lease.
         sent = time.monotonic()
         try:
-            try:
-                taken = self._insert(conn)
-            except errors.UndefinedTable:
-                ensure_schema(conn)
-                sent = time.monotonic()
-                taken = self._insert(conn)
-        except errors.InsufficientPrivilege:
-            # After ``jobrun init`` the lease row of a key the role was not granted is
-            # refused by row-level security (or the table by its grants): no outage.
-            raise not_granted(conn.info.user, describe(self._keys)) from None
+            taken = self._insert_refused(conn)
+        except errors.UndefinedTable:
+            ensure_schema(conn)
+            sent = time.monotonic()
+            taken = self._insert_refused(conn)
         if isinstance(taken, Holder):
             return taken
         if taken:
@@ -250,6 +251,23 @@ class LeaseLock:
             return Holder(key=describe(self._keys))
         _, label, owner, host, pid, acquired_at, _, expires_at = row
         return _lease_holder((label, owner, host, pid, acquired_at, expires_at))
+
+    def _insert_refused(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
+        """``_insert``; a lease the database refuses this role is LockStoreUnavailable.
+
+        WARNING: a refusal fails closed (reason ``not_granted``, even with ``--on-db-error
+        run``): the database answered, and its answer is no. After ``jobrun init``,
+        row-level security refuses the lease of a key the role was not granted; without
+        it, the table's own grants may.
+        """
+        try:
+            return self._insert(conn)
+        except errors.InsufficientPrivilege as exc:
+            if "row-level security" in str(exc):
+                raise not_granted(conn.info.user, describe(self._keys)) from None
+            raise LockStoreUnavailable(
+                f"taking the lease: {db.one_line(exc, self._target)}", reason=NOT_GRANTED
+            ) from None
 
     def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
         """All leases in one statement and one transaction; roll back unless we got all.

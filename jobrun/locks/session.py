@@ -216,14 +216,16 @@ class SessionLock:
     def _taken(self) -> Taken:
         """Every key is ours: confirmed now; the run's last history message may release it.
 
-        The unlock goes after a COMMIT of that message's statements: a session lock is no
-        part of a transaction, and the next run must find our end row, not our running one.
+        The unlock goes after the message's statements are committed (``after_commit``): a
+        session lock is no part of a transaction, and the next run must find our end row,
+        not our running one.
         """
         confirmed_at = time.monotonic()
         unlocks = ";\n".join(
-            f"SELECT pg_advisory_unlock({int(key.lock_id)})" for key in reversed(self._held)
+            f"SELECT pg_catalog.pg_advisory_unlock({int(key.lock_id)})"
+            for key in reversed(self._held)
         )
-        self._session.end_with("COMMIT;\n" + unlocks, self._held.clear)
+        self._session.end_with(unlocks, self._held.clear, after_commit=True)
         return Taken(confirmed_at)
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:

@@ -110,12 +110,37 @@ STOP_REQUESTS_PRUNE = """
 DELETE FROM jobrun.stop_requests WHERE requested_at < clock_timestamp() - interval '1 day'
 """
 
-#: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row.
-STOP_LEASE_HOLDER = """
-SELECT owner::text, host, pid, key FROM jobrun.leases
-WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND expires_at > clock_timestamp()
-ORDER BY lock_id LIMIT 1
-"""
+#: ``jobrun stop``: the lease-mode holder of a key (owner = run id), and the key of the row,
+#: in three statements of one message (bound on the client), so that a database where lease
+#: mode never ran (no ``jobrun.leases``) leaves no ERROR in the server's log: the ids in a
+#: setting, a DO block that reads the table only where it exists, the row it found.
+STOP_LEASE_HOLDER = (
+    (
+        "SELECT pg_catalog.set_config('jobrun.stop_ids', "
+        "%(lock_ids)s::bigint[]::pg_catalog.text, true)"
+    ),
+    """
+DO $jobrun$
+BEGIN
+  IF pg_catalog.to_regclass('jobrun.leases') IS NOT NULL THEN
+    PERFORM pg_catalog.set_config('jobrun.stop_lease', coalesce((
+      SELECT pg_catalog.row_to_json(l)::pg_catalog.text FROM (
+        SELECT owner, host, pid, key FROM jobrun.leases
+        WHERE lock_id OPERATOR(pg_catalog.=)
+                  ANY (pg_catalog.current_setting('jobrun.stop_ids')::bigint[])
+          AND expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()
+        ORDER BY lock_id LIMIT 1) AS l), ''), true);
+  END IF;
+END
+$jobrun$""",
+    """
+SELECT l.owner::pg_catalog.text, l.host, l.pid, l.key
+FROM pg_catalog.json_to_record(
+       nullif(pg_catalog.current_setting('jobrun.stop_lease', true), '')::pg_catalog.json)
+     AS l(owner pg_catalog.uuid, host pg_catalog.text, pid pg_catalog.int4, key pg_catalog.text)
+WHERE nullif(pg_catalog.current_setting('jobrun.stop_lease', true), '') IS NOT NULL
+""",
+)
 
 #: Whether the run still holds its lock: its lease (lease mode), or its lock session's
 #: advisory lock (session mode: the backend that held it when the stop was asked).
@@ -230,4 +255,135 @@ FROM (SELECT {label} AS label) AS recorded
 WHERE recorded.label IS NULL OR string_to_array(recorded.label, ',') @> %(parts)s::text[]
 ON CONFLICT (run_id) DO NOTHING
 RETURNING username
+"""
+
+#: ``jobrun stop``: the session holding one of the key's lock ids (the columns of
+#: SESSION_HOLDER_OF_ANY but the first, which is the lock id), then the run the history
+#: records on that lock id: the newest running session-mode row whose lock_ids hold it
+#: (run id as text, host, pid). PostgreSQL hides another role's statements, and with them
+#: the run id their comment announces, from all but members of pg_read_all_stats; jobrun's
+#: own record of the run is what an operator reads instead. After ``jobrun init`` a row may
+#: claim only its own key's lock ids, and a run that takes a lock marks every older running
+#: row on it abandoned: the row is the holder's, unless the holder keeps no history (the
+#: request then reaches nobody, and ``stop`` says so after --wait).
+STOP_SESSION_HOLDER = """
+SELECT h.lock_id, h.pid, h.client_addr, h.application_name, h.backend_start, h.query,
+       r.run_id, r.host, r.pid
+FROM (
+    SELECT CAST(l.classid AS pg_catalog.int8) OPERATOR(pg_catalog.<<) 32
+               OPERATOR(pg_catalog.|) CAST(l.objid AS pg_catalog.int8) AS lock_id,
+           l.pid, pg_catalog.host(a.client_addr) AS client_addr, a.application_name,
+           a.backend_start, a.query
+    FROM pg_catalog.pg_locks AS l
+    LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) l.pid
+    WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted
+      AND l.objsubid OPERATOR(pg_catalog.=) 1
+      AND l.database OPERATOR(pg_catalog.=) (
+          SELECT d.oid FROM pg_catalog.pg_database AS d
+          WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+      AND (CAST(l.classid AS pg_catalog.int8) OPERATOR(pg_catalog.<<) 32
+           OPERATOR(pg_catalog.|) CAST(l.objid AS pg_catalog.int8))
+          OPERATOR(pg_catalog.=) ANY (CAST(%(lock_ids)s AS pg_catalog.int8[]))
+    LIMIT 1
+) AS h
+LEFT JOIN LATERAL (
+    SELECT CAST(x.run_id AS pg_catalog.text) AS run_id, x.host, x.pid FROM jobrun.runs AS x
+    WHERE x.outcome OPERATOR(pg_catalog.=) 'running' AND x.mode OPERATOR(pg_catalog.=) 'session'
+      AND x.lock_ids OPERATOR(pg_catalog.@>) ARRAY[h.lock_id]
+    ORDER BY x.started_at DESC LIMIT 1
+) AS r ON true
+"""
+
+#: ``jobrun init``'s ``take_lock_away(run, backend)``: ``jobrun stop --force`` for a caller
+#: whose own role may not terminate the run's lock session (another role's; PostgreSQL lets
+#: only that role and members of pg_signal_backend do it). SECURITY DEFINER: it acts with
+#: its owner's rights, so it can do only what the owner could (a superuser, or a member of
+#: pg_signal_backend; else PostgreSQL refuses, and ``stop`` says what is missing), and then
+#: only this: terminate the backend ``backend`` if
+#: - the history records ``run`` as a session-mode run going on (``runs``, whose rows claim
+#:   only their own key's lock ids);
+#: - the caller may control the run's key: ``jobrun.allowed_for(session_user, label,
+#:   'control')``. WARNING: not ``jobrun.allowed``, which asks for current_user, and
+#:   current_user is the owner in here. ``stop`` asks ``jobrun.allowed`` as the caller too,
+#:   before the call (STOP_TAKE_AWAY_AS_OWNER);
+#: - the caller asked that very run to stop: a stop request for it under one of its keys,
+#:   in the caller's name (session_user, which a trigger writes; row-level security let
+#:   the caller write it only with the ``control`` right);
+#: - the backend holds, in this database, one of the lock ids the history records for the
+#:   run, and is not a superuser's (as for pg_signal_backend);
+#: - where the owner may read the backend's statement, it announces that very run (a
+#:   session naming another run, or none, is not this run's).
+#: True: terminated; false: nothing to take (the run let go, or the backend is not its).
+#: WARNING: it runs with the owner's rights: search_path pinned, every name qualified, the
+#: arguments compared only, never run as code. EXECUTE stays with PUBLIC (jobrun init runs
+#: before any role is granted): the checks above are the guard, not the privilege.
+TAKE_LOCK_AWAY_FUNCTION = """
+CREATE OR REPLACE FUNCTION jobrun.take_lock_away(run uuid, backend integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    run_label text;
+    run_ids bigint[];
+    statement text;
+    announced text;
+BEGIN
+    SELECT x.key, x.lock_ids INTO run_label, run_ids FROM jobrun.runs AS x
+    WHERE x.run_id OPERATOR(pg_catalog.=) run AND x.outcome OPERATOR(pg_catalog.=) 'running'
+      AND x.mode OPERATOR(pg_catalog.=) 'session';
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF NOT jobrun.allowed_for(session_user, run_label, 'control') THEN
+        RAISE EXCEPTION 'role % may not control %', session_user, run_label
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM jobrun.stop_requests AS s
+        WHERE s.run_id OPERATOR(pg_catalog.=) run
+          AND s.username OPERATOR(pg_catalog.=) CAST(session_user AS pg_catalog.text)
+          AND s.key OPERATOR(pg_catalog.=) ANY (pg_catalog.array_append(
+              pg_catalog.string_to_array(run_label, ','), run_label))) THEN
+        RAISE EXCEPTION 'role % asked run % of % to stop first: no stop request of its own',
+            session_user, run, run_label USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    SELECT a.query INTO statement
+    FROM pg_catalog.pg_locks AS l
+    JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) l.pid
+    JOIN pg_catalog.pg_roles AS o ON o.oid OPERATOR(pg_catalog.=) a.usesysid
+    WHERE l.pid OPERATOR(pg_catalog.=) backend
+      AND l.locktype OPERATOR(pg_catalog.=) 'advisory' AND l.granted
+      AND l.objsubid OPERATOR(pg_catalog.=) 1
+      AND l.database OPERATOR(pg_catalog.=) (
+          SELECT d.oid FROM pg_catalog.pg_database AS d
+          WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+      AND (CAST(l.classid AS pg_catalog.int8) OPERATOR(pg_catalog.<<) 32
+           OPERATOR(pg_catalog.|) CAST(l.objid AS pg_catalog.int8))
+          OPERATOR(pg_catalog.=) ANY (run_ids)
+      AND NOT o.rolsuper
+    LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    IF statement IS DISTINCT FROM '<insufficient privilege>' THEN
+        announced := pg_catalog.substring(statement, '/\\* jobrun-holder (\\{[^*]*\\}) \\*/');
+        BEGIN
+            announced := CAST(announced AS pg_catalog.jsonb) OPERATOR(pg_catalog.->>) 'run_id';
+        EXCEPTION WHEN invalid_text_representation THEN
+            announced := NULL;
+        END;
+        IF announced IS DISTINCT FROM CAST(run AS pg_catalog.text) THEN
+            RETURN false;
+        END IF;
+    END IF;
+    RETURN pg_catalog.pg_terminate_backend(backend);
+END
+$$;
+"""
+
+#: ``jobrun stop --force`` where the caller's own pg_terminate_backend was refused: the
+#: caller's right to control the key, asked of jobrun.allowed as the caller, then
+#: take_lock_away acting for it (NULL: not allowed; nothing is called).
+STOP_TAKE_AWAY_AS_OWNER = """
+SELECT CASE WHEN jobrun.allowed(%(key)s, 'control')
+            THEN jobrun.take_lock_away(CAST(%(run_id)s AS pg_catalog.uuid), %(backend_pid)s)
+       END
 """

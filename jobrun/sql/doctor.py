@@ -125,3 +125,31 @@ SELECT g.kind, g.pattern FROM jobrun.grants AS g JOIN pg_roles AS r ON r.rolname
 WHERE pg_has_role(current_user, r.oid, 'MEMBER')
 ORDER BY g.kind, g.pattern
 """
+
+#: The doctor's probes (jobrun.doctor.probe) send a run's own statements, in a transaction
+#: that is always rolled back; these few are their own. Whether ``jobrun init`` ran (then a
+#: role may only write rows of the keys it was granted).
+DOCTOR_PROBE_INITIALISED = "SELECT pg_catalog.to_regclass('jobrun.grants') IS NOT NULL"
+
+#: This role's job grants, patterns with a wildcard first: filled in, they give a key of
+#: its own that no real job is likely to use.
+DOCTOR_PROBE_PATTERNS = """
+SELECT g.pattern FROM jobrun.grants AS g
+JOIN pg_catalog.pg_roles AS r ON r.rolname OPERATOR(pg_catalog.=) g.role
+WHERE g.kind OPERATOR(pg_catalog.=) 'job'
+  AND pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER')
+ORDER BY pg_catalog.strpos(g.pattern, '*') OPERATOR(pg_catalog.=) 0, g.pattern
+"""
+
+#: The probe's history row read back, as ``jobrun status`` reads a run.
+DOCTOR_PROBE_READ = """
+SELECT run_id FROM jobrun.runs WHERE run_id OPERATOR(pg_catalog.=) %(run_id)s::pg_catalog.uuid
+"""
+
+#: The probe's history row finished, as a run's end updates it.
+DOCTOR_PROBE_FINISH = """
+UPDATE jobrun.runs
+SET outcome = 'succeeded', exit_code = 0, finished_at = pg_catalog.clock_timestamp()
+WHERE run_id OPERATOR(pg_catalog.=) %(run_id)s::pg_catalog.uuid
+RETURNING run_id
+"""

@@ -60,3 +60,34 @@ WITH gone AS (DELETE FROM jobrun.leases WHERE lock_id = ANY(%(lock_ids)s::int8[]
               AND expires_at <= clock_timestamp() RETURNING 1)
 SELECT count(*) FROM gone
 """
+
+#: Whether this role is granted the key label %(key)s for %(need)s (run, control, read,
+#: output), as ``jobrun init``'s ``jobrun.allowed`` answers it: the same function that its
+#: row-level security asks, so the answer is the database's, never the client's guess.
+#: Three statements that go first in a message (GRANT_ASK, GRANT_EVAL, then GRANTED's row:
+#: the answer as text, 'true' or 'false', else NULL or '' where there is no ``jobrun init``;
+#: and the role asking). The DO block
+#: names the function only where it exists: a database without ``jobrun init`` (or a role
+#: without USAGE on the schema, where looking the function up is refused) answers NULL
+#: instead of failing the message. The key and the need reach the block as settings local
+#: to the message, never spliced into its code.
+GRANT_ASK = """
+SELECT pg_catalog.set_config('jobrun.grant_key', %(key)s, true),
+       pg_catalog.set_config('jobrun.grant_need', %(need)s, true)
+"""
+GRANT_EVAL = """
+DO $jobrun$
+BEGIN
+  IF pg_catalog.to_regprocedure('jobrun.allowed(text,text)') IS NOT NULL THEN
+    PERFORM pg_catalog.set_config('jobrun.granted', CAST(jobrun.allowed(
+        pg_catalog.current_setting('jobrun.grant_key'),
+        pg_catalog.current_setting('jobrun.grant_need')) AS pg_catalog.text), true);
+  END IF;
+EXCEPTION WHEN insufficient_privilege THEN
+  NULL;
+END
+$jobrun$
+"""
+GRANTED = "SELECT pg_catalog.current_setting('jobrun.granted', true), current_user"
+#: The three as one tuple, in their order.
+GRANT_CHECK = (GRANT_ASK, GRANT_EVAL, GRANTED)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jobrun.sql.control import TAKE_LOCK_AWAY_FUNCTION
 from jobrun.sql.history import FENCE_SCHEMA, RUNS_SCHEMA, RUNS_TAIL_COLUMNS
 from jobrun.sql.lease import SCHEMA, SCHEMA_XACT_LOCK
 
@@ -215,6 +216,7 @@ INIT = "\n".join(
         GRANTS_TABLE.strip(),
         FUNCTIONS.strip(),
         RUN_LABEL_FUNCTION.strip(),
+        TAKE_LOCK_AWAY_FUNCTION.strip(),
         POLICIES.strip(),
     )
 )

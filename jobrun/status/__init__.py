@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from jobrun.status import render
 from jobrun.status.collect import (
     STUCK_FACTOR,
     STUCK_MINIMUM,
     KeyStatus,
     Report,
+    abandoned_lines,
     collect,
     lock_ids_of,
 )
-from jobrun.status.render import check_lines, history_table, overlap_table, status_table
+from jobrun.status.render import history_table, overlap_table, status_table
 from jobrun.status.runs import overlapping, runs_of
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+def check_lines(rows: Sequence[KeyStatus], alert_after: int) -> list[str]:
+    """``status --check``: one line per key overdue, failing, stuck, or with a dead run."""
+    return [*render.check_lines(rows, alert_after), *abandoned_lines(rows)]
+
 
 __all__ = [
     "STUCK_FACTOR",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from dataclasses import dataclass, field
@@ -11,10 +12,12 @@ import psycopg
 from psycopg import errors
 
 from jobrun import db, keys, messages, sql
+from jobrun.escape import printable
 from jobrun.history.config import iso, pause
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
 from jobrun.slots import MAX_SLOTS, slot_lock_id
+from jobrun.sql import status as status_sql
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -66,6 +69,9 @@ class KeyStatus:
     #: A session-mode holder's database role, as the server knows it (None: a lease, or
     #: not held). Any role that may connect can take a key's advisory lock: this says who.
     holder_role: str | None = None
+    #: A run the history says is ``running`` whose lock is no longer held (it died: a crash,
+    #: a server restart): run_id, host, pid, started_at, mode. None: no such run.
+    abandoned_run: dict[str, object] | None = None
 
     @property
     def stuck(self) -> bool:
@@ -115,6 +121,7 @@ class KeyStatus:
             "running_for": self.running_for,
             "stuck": self.stuck,
             "slots_in_use": self.slots_in_use,
+            "abandoned_run": self.abandoned_run,
         }
 
 
@@ -163,7 +170,7 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     for label in labels or history:
         found = history.get(label)
         rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
-    controls = _controls(reads.pauses, reads.expectations, reads.running)
+    controls = _controls(reads.pauses, reads.expectations, reads.running, reads.abandoned)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
         for label in controls:
@@ -194,31 +201,48 @@ class _Reads:
     pauses: list[Row] = field(default_factory=list)
     expectations: list[Row] = field(default_factory=list)
     running: list[Row] = field(default_factory=list)
+    abandoned: list[Row] = field(default_factory=list)
 
 
-#: The reads of ``status``, in the order of ``_Reads``' fields.
-_ALL_READS: tuple[str, ...] = (sql.STATUS_HISTORY, sql.STATUS_LEASES, sql.STATUS_ADVISORY_LOCKS)
-_ALL_READS += (sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING)
+#: The reads of ``status``, in the order of ``_Reads``' fields: each read's rows are its
+#: last statement's (a DO block before it leaves them in a setting for it to read).
+_ALL_READS: tuple[tuple[str, ...], ...] = (
+    (sql.STATUS_HISTORY,),
+    (status_sql.STATUS_LEASES_FIND, status_sql.STATUS_LEASES),
+    (sql.STATUS_ADVISORY_LOCKS,),
+    (sql.STATUS_PAUSES,),
+    (sql.STATUS_EXPECTATIONS,),
+    (sql.STATUS_RUNNING,),
+    (status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED),
+)
 
 
 def _read_at_once(conn: Connection, labels: Sequence[str]) -> _Reads | None:
     """Every read in ONE message (one round trip), or None when one of them failed.
 
-    A database that never saw lease mode has no jobrun.leases: then the same without it
-    (one round trip more). Anything else missing or refused is left to ``_read_apart``,
-    which reads table by table, so that a missing grant costs only that table's part.
+    A database that never saw lease mode has no jobrun.leases: the reads that would name it
+    look for it first (a statement naming a missing table is an ERROR in the server's log).
+    Anything missing or refused is left to ``_read_apart``, which reads table by table, so
+    that a missing grant costs only that table's part.
     """
     params = {"all": not labels, "keys": list(labels)}
-    for leases in (True, False):
-        queries = [query for query in _ALL_READS if leases or query != sql.STATUS_LEASES]
-        try:
-            found = _read_many(conn, queries, params)
-        except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
-            continue
-        if not leases:
-            found.insert(1, [])
-        return _Reads(*found)
-    return None
+    try:
+        return _Reads(*_read_groups(conn, _ALL_READS, params))
+    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+        return None
+
+
+def _read_groups(
+    conn: Connection, groups: Sequence[Sequence[str]], params: dict[str, Any]
+) -> list[list[Row]]:
+    """The rows of each group of statements (its last statement's), in one message."""
+    found = read_many(conn, [query for group in groups for query in group], params)
+    rows: list[list[Row]] = []
+    at = 0
+    for group in groups:
+        at += len(group)
+        rows.append(found[at - 1])
+    return rows
 
 
 def _read_apart(
@@ -234,14 +258,14 @@ def _read_apart(
     except errors.InsufficientPrivilege as exc:
         _refused("run history", exc, notes, unreadable)
     try:
-        reads.leases = read_rows(conn, sql.STATUS_LEASES)
+        [reads.leases] = _read_groups(conn, [_ALL_READS[1]], params)
     except errors.UndefinedTable:
         pass
     except errors.InsufficientPrivilege as exc:
         _refused("leases", exc, notes, unreadable)
     reads.advisory = read_rows(conn, sql.STATUS_ADVISORY_LOCKS)
     try:
-        controls = _read_many(
+        controls = read_many(
             conn, [sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING], params
         )
     except errors.UndefinedTable:
@@ -250,6 +274,9 @@ def _read_apart(
         _refused("pauses and expectations", exc, notes, unreadable)
     else:
         reads.pauses, reads.expectations, reads.running = controls
+    if reads.history:
+        with contextlib.suppress(errors.UndefinedTable, errors.InsufficientPrivilege):
+            [reads.abandoned] = _read_groups(conn, [_ALL_READS[-1]], params)
     return reads
 
 
@@ -320,9 +347,51 @@ def _history(rows: list[Row]) -> dict[str, KeyStatus]:
     return found
 
 
-def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) -> dict[str, Row]:
-    """Pauses, expectations and running runs: status fields by key label."""
+def _abandoned(rows: list[Row]) -> dict[str, Row]:
+    """Runs marked running whose lock is gone, by run id (the newest of a key last)."""
+    return {
+        str(row["run_id"]): {
+            "key": row["key"],
+            "run_id": str(row["run_id"]),
+            "host": row["host"],
+            "pid": row["pid"],
+            "started_at": iso(row["started_at"]),
+            "mode": row["mode"],
+        }
+        for row in rows
+    }
+
+
+def abandoned_lines(rows: Iterable[KeyStatus]) -> list[str]:
+    """``status --check``: one line per key whose run is marked running but lost its lock."""
+    lines = []
+    for row in rows:
+        run = row.abandoned_run
+        if run is not None:
+            lines.append(
+                printable(
+                    f"abandoned: {row.key}: run {run['run_id']} on {run['host']} pid "
+                    f"{run['pid']}, started {run['started_at']}, is marked running but its "
+                    f"lock is no longer held (it died: a crash, a server restart)"
+                )
+            )
+    return lines
+
+
+def _controls(
+    pauses: list[Row], expectations: list[Row], running: list[Row], dead: list[Row]
+) -> dict[str, Row]:
+    """Pauses, expectations, running runs and abandoned ones: status fields by key label.
+
+    A run marked running whose lock is gone is not running: it counts as abandoned only.
+    """
     found: dict[str, Row] = {}
+    abandoned = _abandoned(dead)
+    for run in abandoned.values():
+        found.setdefault(str(run["key"]), {})["abandoned_run"] = {
+            name: value for name, value in run.items() if name != "key"
+        }
+    running = [run for run in running if str(run["run_id"]) not in abandoned]
     for row in pauses:
         found.setdefault(row["key"], {})["paused"] = pause(row)
     for expected in expectations:
@@ -339,10 +408,10 @@ def _controls(pauses: list[Row], expectations: list[Row], running: list[Row]) ->
 
 def read_rows(conn: Connection, query: str, params: dict[str, Any] | None = None) -> list[Row]:
     """The rows of one read, with the history's timeouts: one message, one round trip."""
-    return _read_many(conn, [query], params or {})[0]
+    return read_many(conn, [query], params or {})[0]
 
 
-def _read_many(conn: Connection, queries: Sequence[str], params: dict[str, Any]) -> list[list[Row]]:
+def read_many(conn: Connection, queries: Sequence[str], params: dict[str, Any]) -> list[list[Row]]:
     """The rows of each query, sent as ONE message with the history's timeouts first.
 
     One implicit transaction: the timeouts (local to it) end with it, and an error in any

@@ -1,4 +1,4 @@
-"""Fixtures that several test files share: databases and roles of a test's own."""
+"""Fixtures that several test files share: databases, roles and teams of a test's own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from jobrun.testing import jobrun_cli
 from jobrun.testing.pgtools import create_database, drop_database
+from support.tenants import Teams, ok
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -54,3 +56,14 @@ def role(dsn: str, pg_admin_dsn: str) -> Iterator[Callable[..., str]]:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
         with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def teams(fresh_dsn: str, role: Callable[..., str]) -> Teams:
+    """team_a may use a-* keys, team_b b-* keys; both are LOGIN roles of this test."""
+    ok(jobrun_cli.run("init", dsn=fresh_dsn))
+    team_a = role(database_dsn=fresh_dsn)
+    team_b = role(database_dsn=fresh_dsn)
+    ok(jobrun_cli.run("grant", Teams.role_of(team_a), "--keys", "a-*", dsn=fresh_dsn))
+    ok(jobrun_cli.run("grant", Teams.role_of(team_b), "--keys", "b-*", dsn=fresh_dsn))
+    return Teams(owner=fresh_dsn, a=team_a, b=team_b)
