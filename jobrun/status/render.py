@@ -27,8 +27,8 @@ def status_table(
 ) -> str:
     """An aligned table, one line per key, in WIDTH columns unless ``wide``.
 
-    The narrow table leaves the lock mode, the holder's run id and role, the typical
-    duration and the deadlocks to --wide, writes times without seconds (and without the
+    The narrow table leaves the lock mode, the holder's run id, the typical duration and
+    the deadlocks to --wide, writes times without seconds (and without the
     year when it is ``now``'s), and shortens the key, holder and note with ``…`` to fit.
     """
     rows = list(rows)
@@ -40,7 +40,7 @@ def status_table(
         *(
             (
                 row.key,
-                _who(row.holder),
+                _holder(row),
                 _short_when(row.holder.since, year) if row.holder else "-",
                 row.last_outcome or "-",
                 _short_when(row.last_finished_at, year),
@@ -208,6 +208,8 @@ def _count(value: int | None) -> str:
 
 #: The fewest columns a shortened cell keeps, by what it keeps.
 _LEAST = {"both": 16, "pid": 20, "start": 10}
+#: The most a holder's cell keeps for its pid and role: a role name is up to 63 bytes.
+_MOST_FOR_A_HOLDER = 36
 _GAP = "  "
 
 
@@ -220,7 +222,7 @@ def _align(
     """The rows as aligned columns; each cell escaped, as most come from the database.
 
     With ``width``: the ``elastic`` columns (index: what of a cell to keep, as
-    jobrun.log.shorten takes it, or ``pid``: a holder's `` pid N``, its host shortened) are
+    jobrun.log.shorten takes it, or ``pid``: a holder, its host shortened first) are
     narrowed, the widest first and the first column (the key) last, until a line fits (or
     each is down to its _LEAST), and their cells shortened with ``…``.
     """
@@ -230,14 +232,20 @@ def _align(
     widths = [max(columns(line[i]) for line in lines) for i in range(len(lines[0]))]
     if width is not None and elastic:
         least = {i: max(columns(lines[0][i]), _LEAST[elastic[i]]) for i in elastic}
+        # A holder keeps its pid and role while it can: how a squatter of a key is seen.
+        kept = dict(least)
+        for i in (i for i in elastic if elastic[i] == "pid"):
+            tails = (columns(_tail(line[i])) + _LEAST["start"] // 2 for line in lines[1:])
+            kept[i] = max(least[i], min(max(tails, default=0), _MOST_FOR_A_HOLDER))
 
         def too_wide() -> bool:
             return sum(widths) + len(_GAP) * (len(widths) - 1) > width
 
         # The key (column 0) names the row: the other columns give way first.
-        for turn in ([i for i in elastic if i != 0], list(elastic)):
+        others = [i for i in elastic if i != 0]
+        for turn, floor in ((others, kept), ([0], least), (others, least)):
             while too_wide():
-                narrower = [i for i in turn if widths[i] > least[i]]
+                narrower = [i for i in turn if widths[i] > floor[i]]
                 if not narrower:
                     break
                 widths[max(narrower, key=lambda i: widths[i])] -= 1
@@ -257,14 +265,22 @@ def _align(
 
 
 def _shortened(cell: str, width: int, keep: str) -> str:
-    """``cell`` in ``width`` columns; ``keep`` ``pid``: the host gives way, not its pid."""
+    """``cell`` in ``width`` columns; ``keep`` ``pid``: a holder's host gives way first.
+
+    Its `` pid N`` and `` (role R)`` stay: the role is how a squatter of a key is seen.
+    """
     from jobrun.log import columns, shorten  # noqa: PLC0415 - structlog is loaded anyway
 
-    host, pid, rest = cell.partition(" pid ")
-    tail = pid + rest
-    if keep == "pid" and pid and width - columns(tail) >= _LEAST["start"] // 2:
-        return shorten(host, width - columns(tail)) + tail
+    tail = _tail(cell) if keep == "pid" else ""
+    if tail and width - columns(tail) >= _LEAST["start"] // 2:
+        return shorten(cell[: -len(tail)], width - columns(tail)) + tail
     return shorten(cell, width, keep="start" if keep == "pid" else keep)
+
+
+def _tail(holder: str) -> str:
+    """`` pid N (role R)`` of a holder's cell (or `` (role R)``): what never gives way."""
+    cut = min((at for at in (holder.find(" pid "), holder.find(" (role ")) if at > 0), default=0)
+    return holder[cut:] if cut else ""
 
 
 def _who(holder: Holder | None) -> str:
