@@ -24,6 +24,8 @@ class Options:
     #: Never in the repr: it may carry credentials.
     ping_url: str | None = field(repr=False)
     ping_timeout: float
+    #: Which end pings carry the kept tails (--ping-body).
+    ping_body: str
     #: Bytes of each stream's tail to keep (0: none).
     keep_output: int
     fence: bool
@@ -50,6 +52,7 @@ def validate(settings: Settings) -> Options:
     return Options(
         ping_url=url,
         ping_timeout=settings.ping_timeout,
+        ping_body=settings.ping_body,
         keep_output=keep,
         fence=settings.fence,
         history=not settings.no_history,
@@ -91,7 +94,7 @@ def listeners(
         pinger = ping.Pinger(
             options.ping_url, identity.run_id, timeout=options.ping_timeout, log=log
         )
-        found.append(ping.PingListener(pinger, capture))
+        found.append(ping.PingListener(pinger, capture, body=options.ping_body))
     if options.fence:
         from jobrun import fence  # noqa: PLC0415 - only with --fence
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.parse
@@ -34,21 +35,53 @@ BODY_STREAM_LIMIT = 40_000
 _RETRIED = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
-def parse_url(text: str) -> str:
+#: What a ping body carries after a run (``--ping-body``): the --keep-output tails.
+BODIES = ("always", "failure", "never")
+#: A Healthchecks check's UUID, given alone to --ping.
+_UUID = re.compile(r"[0-9a-fA-F]{8}(?:-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
+#: A Healthchecks check's slug (lower-case letters, digits, hyphens, underscores).
+_SLUG = re.compile(r"[a-z0-9][a-z0-9_-]*")
+#: Where a bare UUID or slug goes: the variable of --ping-base, as errors name it.
+BASE_VARIABLE = "JOBRUN_PING_BASE"
+
+
+def resolve(value: str, base: str | None) -> str:
+    """The ping URL of ``--ping``: a URL as it is; a check's UUID or slug appended to ``base``.
+
+    Healthchecks pings ``<base>/<uuid>`` or ``<base>/<ping-key>/<slug>``: the base holds the
+    ping key for slugs (``https://hc-ping.com/PING_KEY``). UsageError (never quoting the
+    value: a UUID is the check's credential) without a base.
+    """
+    text = value.strip()
+    is_uuid = _UUID.fullmatch(text) is not None
+    if not is_uuid and _SLUG.fullmatch(text) is None:
+        return parse_url(text)
+    if not base:
+        raise UsageError(
+            f"--ping: a check's {'UUID' if is_uuid else 'slug'} alone needs {BASE_VARIABLE} "
+            "(or --ping-base), the URL its pings go under: https://hc-ping.com for a UUID, "
+            "https://hc-ping.com/PING_KEY for a slug"
+        )
+    parts = urllib.parse.urlsplit(parse_url(base, option="--ping-base"))
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + text))
+
+
+def parse_url(text: str, *, option: str = "--ping") -> str:
     """The ping URL, checked (http or https, a host, no spaces); UsageError otherwise."""
     url = text.strip()
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(
-            f"--ping {mask(url)!r}: not an http(s) URL with a host "
-            "(example: https://hc-ping.com/<uuid>)"
+            f"{option} {mask(url)!r}: not an http(s) URL with a host "
+            "(example: https://hc-ping.com/<uuid>; a check's UUID or slug alone goes with "
+            f"{BASE_VARIABLE})"
         )
     if any(char.isspace() or ord(char) < 0x20 or ord(char) == 0x7F for char in url):  # noqa: PLR2004 - control characters
-        raise UsageError(f"--ping {mask(url)!r}: the URL contains spaces or control characters")
+        raise UsageError(f"{option} {mask(url)!r}: the URL contains spaces or control characters")
     try:
         _ = parts.port
     except ValueError:
-        raise UsageError(f"--ping {mask(url)!r}: the port is not a number") from None
+        raise UsageError(f"{option} {mask(url)!r}: the port is not a number") from None
     return url
 
 
@@ -119,6 +152,11 @@ class _Ping:
     #: Held while a failure is being reported (by the sender, or finish() giving up).
     reporting: threading.Lock = field(default_factory=threading.Lock)
     reported: bool = False
+    #: Attempts made so far, and the last one's error (None: none failed yet).
+    attempts: int = 0
+    error: str | None = None
+    #: Set when no further attempt is wanted (the child exited before the start ping got through).
+    given_up: threading.Event = field(default_factory=threading.Event)
 
 
 class Pinger:
@@ -148,12 +186,26 @@ class Pinger:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._skip_body: bytes | None = None
-        self._started = False
+        self._start: _Ping | None = None
 
     def start(self) -> None:
         """The child started: ``URL/start`` (in the background)."""
-        self._started = True
-        self._enqueue("start", b"")
+        self._start = self._enqueue("start", b"")
+
+    def child_exited(self) -> None:
+        """The child is gone: a start ping not through yet gets no further attempt.
+
+        A start that arrives after the run is over tells the monitor nothing true. When an
+        attempt has failed already, its ``ping_failed`` is written now, so the line comes
+        before the run's ``finished``; an attempt still under way with no answer yet is
+        reported when its answer (or its timeout) comes.
+        """
+        ping = self._start
+        if ping is None or ping.done.is_set():
+            return
+        ping.given_up.set()
+        if ping.error is not None:
+            self._failed(ping, ping.error, attempts=ping.attempts)
 
     def skipped(self, reason: str, details: dict[str, object]) -> None:
         """The run skipped: its end ping will be ``URL/log`` (neither success nor failure)."""
@@ -198,20 +250,25 @@ class Pinger:
         url = with_path(self.url, ping.kind, self.run_id)
         error: str | None = "no time left (an earlier ping took it)"
         attempt = 0
-        while attempt < ATTEMPTS:
+        while attempt < ATTEMPTS and not ping.given_up.is_set():
             remaining = ping.deadline - time.monotonic()
             if remaining <= 0:
                 break
             attempt += 1
+            ping.attempts = attempt
             retry, error = self._attempt(url, ping, remaining / (ATTEMPTS - attempt + 1))
             if error is None:
-                self._log.debug("ping_sent", ping=ping.kind, attempts=attempt)
+                if not ping.reported:  # not given up as failed meanwhile (child_exited)
+                    self._log.debug("ping_sent", ping=ping.kind, attempts=attempt)
                 return
+            ping.error = error
             if not retry:
                 break
             pause = min(BACKOFF * 2 ** (attempt - 1), ping.deadline - time.monotonic())
             if pause > 0 and attempt < ATTEMPTS:
-                time.sleep(pause)
+                ping.given_up.wait(pause)
+        if attempt == 0 and ping.given_up.is_set():
+            return  # the run was over before it could go: not the monitor's failure
         self._failed(ping, error, attempts=attempt)
 
     def _failed(self, ping: _Ping, error: str | None, *, attempts: int | None) -> None:
@@ -257,10 +314,11 @@ class Pinger:
 class PingListener(Listener):
     """``--ping`` as a run's listener: start, skip and end pings (the end after the release)."""
 
-    def __init__(self, pinger: Pinger, capture: Capture | None) -> None:
+    def __init__(self, pinger: Pinger, capture: Capture | None, *, body: str = "always") -> None:
         self._pinger = pinger
-        #: ``--keep-output``: the end ping carries the tails.
+        #: ``--keep-output``: the end ping carries the tails (``--ping-body``: when).
         self._capture = capture
+        self._body = body
 
     def skipped(self, reason: str, fields: Mapping[str, object], exit_code: int) -> None:
         """The end ping will say why the run skipped."""
@@ -272,10 +330,15 @@ class PingListener(Listener):
         del child_pid
         self._pinger.start()
 
+    def exited(self) -> None:
+        """Before the run's ``finished`` line: the start ping's fate, if already known."""
+        self._pinger.child_exited()
+
     def released(self, status: int) -> None:
         """The end ping, with the tails if output was kept; waits --ping-timeout at most."""
         capture = self._capture
-        used = capture is not None and capture.used
+        wanted = self._body == "always" or (self._body == "failure" and status != 0)
+        used = capture is not None and capture.used and wanted
         stdout = capture.stdout_tail if capture is not None and used else b""
         stderr = capture.stderr_tail if capture is not None and used else b""
         self._pinger.finish(status, stdout, stderr)

@@ -186,7 +186,22 @@ class Settings:
         "--ping",
         secret=True,
         metavar="URL",
-        help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip.",
+        help="Healthchecks-style monitor: URL/start, URL/<exit status>, URL/log on a skip; "
+        "or a check's UUID or slug alone, after --ping-base.",
+    )
+    ping_base: str | None = option(
+        "--ping-base",
+        secret=True,
+        metavar="URL",
+        help="Where a bare --ping UUID or slug goes: https://hc-ping.com (UUID), "
+        "https://hc-ping.com/PING_KEY (slug). Holds a credential: never logged.",
+    )
+    ping_body: str = option(
+        "--ping-body",
+        click.Choice(["always", "failure", "never"]),
+        default="always",
+        help="Which end pings carry the --keep-output tails: always, failure (exit status "
+        "not 0) or never.",
     )
     ping_timeout: float = option(
         "--ping-timeout",
@@ -251,6 +266,12 @@ class Settings:
             )
             heartbeat, lifetime = lease.heartbeat, lease.lifetime
         check(given, run_keys)
+        if given["ping"] is not None:
+            from jobrun import ping  # noqa: PLC0415 - only with --ping
+
+            # A check's UUID or slug alone becomes its URL here: the URL's secrets are
+            # masked wherever a --ping URL is (kept output, the hook's event).
+            given["ping"] = ping.resolve(given["ping"], given["ping_base"])
         every, grace = given["expect_every"], given["expect_grace"]
         return cls(
             **{

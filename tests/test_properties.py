@@ -289,8 +289,9 @@ def on_db_error(argv: list[str], env: dict[str, str]) -> str | None:
 #: A control character (but newline) or a bidirectional override, raw.
 RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
-#: The lockstore_unavailable event's running_unguarded=true, as JSON, logfmt or console.
-SAID_UNGUARDED = re.compile(r'\brunning_unguarded"?(?::\s*|=)(?:true|True)\b')
+#: The lockstore_unavailable event's running_unguarded=true, as JSON, logfmt or console
+#: (which says yes).
+SAID_UNGUARDED = re.compile(r'\brunning_unguarded"?(?::\s*|=)(?:true|yes)\b')
 
 
 def check(

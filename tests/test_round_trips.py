@@ -218,7 +218,7 @@ class TestSubcommands:
         done = jobrun_cli.run(*SESSION_BEATS, "--key", key, "--", "true", dsn=only)
         assert done.returncode == 0, done.stderr
         log.mark()
-        shown = jobrun_cli.run("status", dsn=only)
+        shown = jobrun_cli.run("status", "--wide", dsn=only)  # the key whole, however long
         assert shown.returncode == 0, shown.stderr
         assert key in shown.stdout
         calls = log.calls()

@@ -333,7 +333,7 @@ class TestStatusFromHistory:
         record().finished("succeeded", 0, None, 1.0)
         result = ops(dsn, "status", key)
         header, line = result.stdout.splitlines()
-        assert header.split()[:3] == ["KEY", "HELD", "HOLDER"]
+        assert header.split()[:3] == ["KEY", "HOLDER", "SINCE"]
         assert line.startswith(key)
         assert "succeeded" in line
         assert header.index("LAST") == line.index("succeeded")

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
     show_default=True,
     help="With --check: a key failing this many times in a row is failing; 0: never.",
 )
+@options.wide
 @options.database
 @options.as_json
 def status_command(  # noqa: PLR0917 - click passes one parameter per option
     key_labels: tuple[str, ...],
     check: bool,
     alert_after: int,
+    wide: bool,
     dsn: str,
     connect_timeout: float,
     as_json: bool,
@@ -65,7 +67,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     if as_json:
         click.echo(json.dumps([row.as_json() for row in rows], indent=2))
     elif rows:
-        click.echo(status.status_table(rows))
+        click.echo(status.status_table(rows, wide=wide))
     elif found.unreadable:
         click.echo(f"nothing to show: {', '.join(found.unreadable)} not readable")
     elif not unknown:

@@ -301,6 +301,14 @@ def count(flag: str, *, default: int, help_text: str) -> Option:
 
 
 as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+#: A table in full: every column, nothing shortened (without it: 120 columns at most).
+wide = Option(
+    "--wide",
+    is_flag=True,
+    variable=False,
+    help="Every column, nothing shortened (without it the table fits 120 columns: long "
+    "keys, holders and notes end in …).",
+)
 
 #: Reading server and scheduler logs (``deadlocks`` and ``timeline``).
 log_line_prefix = click.option(

@@ -9,7 +9,7 @@ from jobrun.durations import format_seconds
 from jobrun.escape import printable
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
     from jobrun.locks import Holder
     from jobrun.status.collect import KeyStatus
@@ -18,44 +18,92 @@ if TYPE_CHECKING:
 _SHORT_RUN_ID = 8
 
 
-def status_table(rows: Iterable[KeyStatus]) -> str:
-    """An aligned table, one line per key."""
-    header = (
-        "KEY",
-        "HELD",
-        "HOLDER",
-        "RUN",
-        "SINCE",
-        "LAST",
-        "FINISHED",
-        "DURATION",
-        "TYPICAL",
-        "DEADLOCKS",
-        "SKIPS",
-        "FAILS",
-        "NOTE",
-    )
-    lines = [header]
-    for row in rows:
-        holder = row.holder
-        lines.append(
+#: The width ``status`` keeps to without --wide (a terminal's, a mail's).
+WIDTH = 120
+
+
+def status_table(
+    rows: Iterable[KeyStatus], *, wide: bool = False, now: dt.datetime | None = None
+) -> str:
+    """An aligned table, one line per key, in WIDTH columns unless ``wide``.
+
+    The narrow table leaves the lock mode, the holder's run id, the typical duration and
+    the deadlocks to --wide, writes times without seconds (and without the
+    year when it is ``now``'s), and shortens the key, holder and note with ``…`` to fit.
+    """
+    rows = list(rows)
+    if wide:
+        return _align([_WIDE_HEADER, *(_wide_row(row) for row in rows)])
+    year = (now or dt.datetime.now(dt.timezone.utc)).year
+    lines = [
+        _NARROW_HEADER,
+        *(
             (
                 row.key,
-                (holder.mode or "-") if holder else "-",
-                _who(holder) + (f" (role {printable(row.holder_role)})" if row.holder_role else ""),
-                (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
-                _when(holder.since) if holder else "-",
+                _holder(row),
+                _short_when(row.holder.since, year) if row.holder else "-",
                 row.last_outcome or "-",
-                _when(row.last_finished_at),
+                _short_when(row.last_finished_at, year),
                 _duration(row.last_duration),
-                _duration(row.typical_duration),
-                _count(row.last_deadlocks),
                 str(row.skip_streak),
                 str(row.failure_streak),
-                _note(row),
+                _note(row, year=year),
             )
-        )
-    return _align(lines)
+            for row in rows
+        ),
+    ]
+    return _align(lines, width=WIDTH, elastic={0: "both", 1: "pid", 8: "start"})
+
+
+_WIDE_HEADER = (
+    "KEY",
+    "HELD",
+    "HOLDER",
+    "RUN",
+    "SINCE",
+    "LAST",
+    "FINISHED",
+    "DURATION",
+    "TYPICAL",
+    "DEADLOCKS",
+    "SKIPS",
+    "FAILS",
+    "NOTE",
+)
+_NARROW_HEADER = (
+    "KEY",
+    "HOLDER",
+    "SINCE",
+    "LAST",
+    "FINISHED",
+    "DURATION",
+    "SKIPS",
+    "FAILS",
+    "NOTE",
+)
+
+
+def _wide_row(row: KeyStatus) -> tuple[str, ...]:
+    holder = row.holder
+    return (
+        row.key,
+        (holder.mode or "-") if holder else "-",
+        _holder(row),
+        (holder.run_id or "-")[:_SHORT_RUN_ID] if holder else "-",
+        _when(holder.since) if holder else "-",
+        row.last_outcome or "-",
+        _when(row.last_finished_at),
+        _duration(row.last_duration),
+        _duration(row.typical_duration),
+        _count(row.last_deadlocks),
+        str(row.skip_streak),
+        str(row.failure_streak),
+        _note(row),
+    )
+
+
+def _holder(row: KeyStatus) -> str:
+    return _who(row.holder) + (f" (role {printable(row.holder_role)})" if row.holder_role else "")
 
 
 def history_table(runs: Iterable[dict[str, Any]]) -> str:
@@ -113,15 +161,21 @@ def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:
     return _align(lines)
 
 
-def _note(row: KeyStatus) -> str:
-    """Paused (until when, by whom), overdue, stuck: what an operator should know at once."""
+def _note(row: KeyStatus, *, year: int | None = None) -> str:
+    """Paused (until when, by whom), overdue, stuck: what an operator should know at once.
+
+    ``year``: the narrow table's shorter form.
+    """
     notes = []
     if row.paused is not None:
         until = row.paused["until"]
-        notes.append(
-            f"paused until {_when(str(until)) if until else 'resumed'} by "
-            f"{row.paused['user']}@{row.paused['host']}"
-        )
+        who = f"{row.paused['user']}@{row.paused['host']}"
+        if year is None:
+            notes.append(f"paused until {_when(str(until)) if until else 'resumed'} by {who}")
+        else:
+            notes.append(
+                f"paused by {who}" + (f" to {_short_when(str(until), year)}" if until else "")
+            )
     if row.slots_in_use:
         notes.append(f"{row.slots_in_use} slots in use")
     if row.overdue:
@@ -152,14 +206,81 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def _align(rows: Sequence[tuple[str, ...]]) -> str:
-    """The rows as aligned columns; each cell escaped, as most come from the database."""
+#: The fewest columns a shortened cell keeps, by what it keeps.
+_LEAST = {"both": 16, "pid": 20, "start": 10}
+#: The most a holder's cell keeps for its pid and role: a role name is up to 63 bytes.
+_MOST_FOR_A_HOLDER = 36
+_GAP = "  "
+
+
+def _align(
+    rows: Sequence[tuple[str, ...]],
+    *,
+    width: int | None = None,
+    elastic: Mapping[int, str] | None = None,
+) -> str:
+    """The rows as aligned columns; each cell escaped, as most come from the database.
+
+    With ``width``: the ``elastic`` columns (index: what of a cell to keep, as
+    jobrun.log.shorten takes it, or ``pid``: a holder, its host shortened first) are
+    narrowed, the widest first and the first column (the key) last, until a line fits (or
+    each is down to its _LEAST), and their cells shortened with ``…``.
+    """
+    from jobrun.log import columns  # noqa: PLC0415 - structlog is loaded anyway
+
     lines = [tuple(printable(cell) for cell in row) for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    widths = [max(columns(line[i]) for line in lines) for i in range(len(lines[0]))]
+    if width is not None and elastic:
+        least = {i: max(columns(lines[0][i]), _LEAST[elastic[i]]) for i in elastic}
+        # A holder keeps its pid and role while it can: how a squatter of a key is seen.
+        kept = dict(least)
+        for i in (i for i in elastic if elastic[i] == "pid"):
+            tails = (columns(_tail(line[i])) + _LEAST["start"] // 2 for line in lines[1:])
+            kept[i] = max(least[i], min(max(tails, default=0), _MOST_FOR_A_HOLDER))
+
+        def too_wide() -> bool:
+            return sum(widths) + len(_GAP) * (len(widths) - 1) > width
+
+        # The key (column 0) names the row: the other columns give way first.
+        others = [i for i in elastic if i != 0]
+        for turn, floor in ((others, kept), ([0], least), (others, least)):
+            while too_wide():
+                narrower = [i for i in turn if widths[i] > floor[i]]
+                if not narrower:
+                    break
+                widths[max(narrower, key=lambda i: widths[i])] -= 1
+        lines = [
+            tuple(
+                _shortened(cell, widths[i], elastic[i]) if i in elastic else cell
+                for i, cell in enumerate(line)
+            )
+            for line in lines
+        ]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        _GAP.join(
+            cell + " " * (size - columns(cell)) for cell, size in zip(line, widths, strict=True)
+        ).rstrip()
         for line in lines
     )
+
+
+def _shortened(cell: str, width: int, keep: str) -> str:
+    """``cell`` in ``width`` columns; ``keep`` ``pid``: a holder's host gives way first.
+
+    Its `` pid N`` and `` (role R)`` stay: the role is how a squatter of a key is seen.
+    """
+    from jobrun.log import columns, shorten  # noqa: PLC0415 - structlog is loaded anyway
+
+    tail = _tail(cell) if keep == "pid" else ""
+    if tail and width - columns(tail) >= _LEAST["start"] // 2:
+        return shorten(cell[: -len(tail)], width - columns(tail)) + tail
+    return shorten(cell, width, keep="start" if keep == "pid" else keep)
+
+
+def _tail(holder: str) -> str:
+    """`` pid N (role R)`` of a holder's cell (or `` (role R)``): what never gives way."""
+    cut = min((at for at in (holder.find(" pid "), holder.find(" (role ")) if at > 0), default=0)
+    return holder[cut:] if cut else ""
 
 
 def _who(holder: Holder | None) -> str:
@@ -185,6 +306,19 @@ def _when(stamp: str | None) -> str:
     if parsed.tzinfo is not None:
         parsed = parsed.astimezone(dt.timezone.utc)
     return parsed.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _short_when(stamp: str | None, year: int) -> str:
+    """``11-29 10:26Z`` from an ISO 8601 timestamp of ``year``, ``2025-11-29`` otherwise."""
+    if not stamp:
+        return "-"
+    try:
+        parsed = dt.datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    if parsed.tzinfo is not None:
+        parsed = parsed.astimezone(dt.timezone.utc)
+    return parsed.strftime("%m-%d %H:%MZ" if parsed.year == year else "%Y-%m-%d")
 
 
 def _duration(seconds: float | None) -> str:
