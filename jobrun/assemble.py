@@ -54,7 +54,8 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     if settings.keep_output or settings.on_alert:
         named = masking.named_secrets(os.environ, settings.mask_env)
         stored = masking.password_file_secrets(os.environ)
-        hidden = (*target.secrets, *masking.url_secrets(settings.ping), *named, *stored)
+        pings = (*masking.url_secrets(settings.ping), *masking.url_secrets(settings.ping_base))
+        hidden = (*target.secrets, *pings, *named, *stored)
     logger = log.configure(
         fmt=settings.log_format,
         level=settings.log_level,

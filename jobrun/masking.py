@@ -10,10 +10,11 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 #: jobrun's own variables that can carry a secret: the connection string (its password),
-#: the ping URL (a credential itself: whoever has it can ping the check) and the alert
-#: command (often a webhook URL with its token). The child and the hook never get them,
-#: unless ``--pass-env`` names them.
-WITHHELD = ("JOBRUN_DSN", "JOBRUN_PING", "JOBRUN_ON_ALERT")
+#: the ping URL and the ping base (credentials themselves: whoever has one can ping the
+#: check, or every check of the project's ping key) and the alert command (often a webhook
+#: URL with its token). The child and the hook never get them, unless ``--pass-env`` names
+#: them.
+WITHHELD = ("JOBRUN_DSN", "JOBRUN_PING", "JOBRUN_PING_BASE", "JOBRUN_ON_ALERT")
 #: The variables jobrun sets for the child. An inherited value (from a jobrun further up,
 #: or a stale export) is removed first: the child sees only what this run set.
 SET_FOR_CHILD = (

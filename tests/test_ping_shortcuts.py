@@ -8,6 +8,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from jobrun import ping
@@ -192,3 +193,40 @@ class TestPingBody:
         )  # fmt: skip
         assert result.returncode == 3, result.stderr
         assert server.requests[-1] == (f"/ping/{UUID}/3", b"")
+
+
+class TestPingBaseWithheld:
+    """The project ping key in JOBRUN_PING_BASE reaches neither the child nor kept output."""
+
+    def test_the_child_does_not_get_the_ping_base(self, dsn, key, monitor, tmp_path):
+        """The child's environment has no JOBRUN_PING_BASE unless --pass-env names it."""
+        server = monitor()
+        seen = tmp_path / "env"
+        script = (
+            "import os, sys; "
+            f"open({str(seen)!r}, 'w').write(os.environ.get('JOBRUN_PING_BASE', 'absent'))"
+        )
+        result = cli.run(
+            "--key", key, "--ping", "nightly-export", "--", sys.executable, "-c", script,
+            dsn=dsn, env={"JOBRUN_PING_BASE": f"{server.base}/{PING_KEY}"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert seen.read_text() == "absent"
+
+    def test_the_ping_key_printed_by_the_job_is_masked_in_kept_output(self, dsn, key, monitor):
+        """A failed job that prints the base's ping key keeps ``***`` in its stored tail."""
+        server = monitor()
+        result = cli.run(
+            "--key", key, "--keep-output", "4KiB", "--ping", "nightly-export", "--",
+            sys.executable, "-c", f"print('key is {PING_KEY}'); raise SystemExit(3)",
+            dsn=dsn, env={"JOBRUN_PING_BASE": f"{server.base}/{PING_KEY}"},
+        )  # fmt: skip
+        assert result.returncode == 3, result.stderr
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(
+                "SELECT stdout_tail FROM jobrun.runs WHERE key = %s AND outcome = 'failed'",
+                (key,),
+            ).fetchone()
+        assert row is not None
+        assert PING_KEY.encode() not in bytes(row[0])
+        assert b"***" in bytes(row[0])
