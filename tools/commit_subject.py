@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 #: Longest subject: what `git log --oneline` and most tools show without cutting it.
 LIMIT = 72
@@ -10,7 +11,7 @@ LIMIT = 72
 
 def main(path: str) -> int:
     """0 when the message at ``path`` has a short enough subject, else 1 with one line."""
-    with open(path, encoding="utf-8", errors="replace") as message:
+    with Path(path).open(encoding="utf-8", errors="replace") as message:
         subject = message.readline().rstrip("\n")
     if len(subject) > LIMIT:
         print(
