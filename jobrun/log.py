@@ -487,6 +487,10 @@ def _every_field(fields: Mapping[str, Any]) -> list[_Field]:
     return found
 
 
+#: The fewest columns a value is shortened to when nothing else makes a line fit.
+_LAST_RESORT = 3
+
+
 def _fit(head: str, found: list[_Field], width: int) -> str:
     """The line of ``head`` and ``found``, made to fit ``width`` columns.
 
@@ -500,8 +504,12 @@ def _fit(head: str, found: list[_Field], width: int) -> str:
     def line() -> str:
         return " ".join([head, *(str(each) for each in found)])
 
-    def narrower(which: list[_Field]) -> bool:
-        shrinking = [each for each in which if each.keep and room[id(each)] > each.least]
+    def narrower(which: list[_Field], floor: int | None = None) -> bool:
+        shrinking = [
+            each
+            for each in which
+            if each.keep and room[id(each)] > (each.least if floor is None else floor)
+        ]
         if not shrinking:
             return False
         longest = max(shrinking, key=lambda each: room[id(each)])
@@ -524,6 +532,9 @@ def _fit(head: str, found: list[_Field], width: int) -> str:
         lambda: dropped(1),
         lambda: narrower(found),
         lambda: dropped(2),
+        # The last resort (values full of characters that escaping doubles): a value may go
+        # down to a few columns rather than the line past the width.
+        lambda: narrower(found, _LAST_RESORT),
     )
     for step in steps:
         while columns(line()) > width and step():

@@ -291,7 +291,8 @@ class TestDeadlock:
         assert complete, cycles
         for wait in complete[0]["waits"]:
             assert wait["lock"]["locktype"] == "transactionid", complete[0]
-            assert wait["lock"]["row_relation"] == accounts, complete[0]
+            # jobrun's sessions name relations from pg_catalog's view: schema-qualified.
+            assert wait["lock"]["row_relation"] == f"public.{accounts}", complete[0]
         errors = [line for a in report["attempts"] for lines in a["deadlock_lines"].values()
                   for line in lines]  # fmt: skip
         assert any("deadlock detected" in line for line in errors)
@@ -309,7 +310,7 @@ class TestDeadlock:
         a_line = next(line for line in out.splitlines() if line.startswith("  A (pid "))
         b_line = next(line for line in out.splitlines() if line.startswith("  B (pid "))
         assert "waits for ShareLock on transaction" in a_line
-        assert f"of {accounts})" in a_line
+        assert f"of public.{accounts})" in a_line
         assert "held by B (pid " in a_line
         assert a_line.endswith(f"while running: {update}2")
         assert "held by A (pid " in b_line
