@@ -21,6 +21,7 @@ from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
 from jobrun.session import ServerSession
 from jobrun.testing.memory import MemoryLock, MemoryStore
+from jobrun.testing.pgtools import terminate_backend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -110,7 +111,7 @@ class ServerLocks:
                 ).fetchone()
                 assert row is not None, "nobody holds the key"
                 # Waits (up to 10 s) until the backend is gone: the lock with it.
-                conn.execute("SELECT pg_terminate_backend(%s, 10000)", (row[0],))
+                terminate_backend(conn, row[0], 10.0)
             else:
                 conn.execute("DELETE FROM jobrun.leases WHERE lock_id = %s", (lock_id,))
 

@@ -13,8 +13,8 @@ from jobrun.log import safe_text
 if TYPE_CHECKING:
     from jobrun.doctor.query import Connection
 
-#: Oldest server jobrun is tested against.
-MIN_TESTED_VERSION = 120000
+#: Oldest server jobrun is tested against (CI runs PostgreSQL 13 to 18).
+MIN_TESTED_VERSION = 130000
 #: A vanished client's session (and its advisory locks) should be dropped within this.
 KEEPALIVE_BUDGET = 300
 
@@ -79,7 +79,7 @@ def server(conn: Connection) -> Finding:
             "or other standbys; point jobrun at the primary (target_session_attrs=read-write)",
         )
     if int(number) < MIN_TESTED_VERSION:
-        return Finding(WARN, "server", f"PostgreSQL {version}: older than 12, untested")
+        return Finding(WARN, "server", f"PostgreSQL {version}: older than 13, untested")
     return Finding(OK, "server", f"PostgreSQL {version}")
 
 

@@ -36,6 +36,8 @@ DEFAULT_TEMP_ROOT = "/tmp"  # noqa: S108 - mkdtemp below makes a private, unpred
 
 #: server_version_num from which DROP DATABASE takes WITH (FORCE).
 _FORCE_SINCE = 130000
+#: server_version_num from which pg_terminate_backend() takes a timeout and waits.
+_TERMINATE_WAITS_SINCE = 140000
 
 
 class PgServerError(RuntimeError):
@@ -187,6 +189,36 @@ def drop_database(admin_dsn: str, name: str) -> None:
         since = conn.info.server_version >= _FORCE_SINCE
         force = sql.SQL(" WITH (FORCE)") if since else sql.SQL("")
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force))
+
+
+_STILL_THERE = """
+SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %(pid)s)
+    OR EXISTS (SELECT 1 FROM pg_locks WHERE pid = %(pid)s)
+"""
+
+
+def terminate_backend(
+    conn: psycopg.Connection[tuple[object, ...]], pid: int, timeout: float
+) -> None:
+    """Terminate backend ``pid`` and wait (up to ``timeout`` s) until it is gone, locks and all.
+
+    PostgreSQL 14+ waits itself (``pg_terminate_backend(pid, ms)``); before 14 the function
+    only signals, so pg_stat_activity is watched until the backend has left it.
+    """
+    if conn.info.server_version >= _TERMINATE_WAITS_SINCE:
+        conn.execute("SELECT pg_terminate_backend(%s, %s)", (pid, int(timeout * 1000)))
+        return
+    conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    deadline = time.monotonic() + timeout
+    while True:
+        # Autocommit or not, each look is a fresh snapshot of the backends and their locks.
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(_STILL_THERE, {"pid": pid}).fetchone()
+        if row is not None and not row[0]:
+            return
+        if time.monotonic() > deadline:
+            raise PgServerError(f"backend {pid} still there {timeout}s after its termination")
+        time.sleep(0.01)  # no server-side wait before PostgreSQL 14
 
 
 def dsn_through(server_dsn: str, host: str, port: int) -> str:
