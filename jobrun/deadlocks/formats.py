@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from jobrun.deadlocks import envelopes, records
+from jobrun.deadlocks.language import SEVERITY_WORDS, TRANSLATED_WORDS, has_deadlock_wording
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import PREFIX_WINDOW, Layout, PrefixChooser, prefix_pattern
+from jobrun.deadlocks.prefix import (
+    PREFIX_WINDOW,
+    Layout,
+    PrefixChooser,
+    prefix_fields,
+    prefix_pattern,
+    split_line,
+)
 from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
@@ -35,6 +43,14 @@ SNIFF_RECORDS = 1000
 _ARRAY = re.compile(r"\[\s*(?:\{|\Z)")
 #: A DETAIL line of a deadlock pasted with no indentation at all.
 _BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
+#: syslog's numbering of a message's later lines (``[5-2]``), seen without its envelope.
+_SYSLOG_MORE = re.compile(r"\[\d+-(?:[2-9]|\d\d+)\] ?(?:#011)?")
+#: A physical line at least this long may have been wrapped by a terminal or a ticket.
+_WRAPPED = 60
+#: Terminal widths: a line wrapped at one was cut inside a word (joined with nothing).
+_WIDTHS = frozenset({72, 76, 78, 79, 80, 100, 120, 132, 160, 200})
+#: What the report names as the prefix of a log read line by line, with no one layout.
+FOUND_PER_LINE = "(found per line)"
 _T = TypeVar("_T", str, "Line")
 _NOT_A_LOG = (
     "nothing in it looks like a PostgreSQL server log (stderr, csvlog, jsonlog, syslog, "
@@ -55,6 +71,8 @@ class Reading:
     reindented: int = 0
     #: Messages (or csvlog records) that went past LINE_LIMIT: the text past it dropped.
     cut: int = 0
+    #: The first line not read as part of an entry that holds a deadlock's wording.
+    wording_line: int | None = None
 
     def count_cut(self) -> None:
         """One more message cut."""
@@ -121,30 +139,66 @@ def _json(
 def _stderr(
     fmt: str, lines: Iterator[Line], source: str, prefix: str | None, *, pid_known: bool
 ) -> Reading:
-    """Entries of a stderr log, the prefix given or chosen from the first lines."""
+    """Entries of a stderr log, the prefix given, chosen from the common ones, or found per line.
+
+    Without ``--log-line-prefix``, a common layout that reads (nearly) every line a
+    severity is found in is used, and the lines it misses are read line by line (a
+    server reconfigured half-way); otherwise every line is.
+    """
     sniffed = _head(lines, SNIFF_LINES)
+    layout: Layout | None
+    per_line = prefix is None
     if prefix is not None:
-        layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
+        layout = Layout(prefix, prefix_pattern(prefix, SEVERITY_WORDS))
     else:
-        chooser = PrefixChooser(pid_known=pid_known)
-        chooser.add(text for _, text, _, _ in sniffed)
-        layout, tied = chooser.best()
-        # A quiet server's log can open with thousands of checkpoint lines, which every
-        # layout with %q reads alike: read on until a session's line tells them apart.
-        while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
-            more = _head(lines, len(sniffed))
-            if not more:
-                break
-            sniffed += more
-            chooser.add(text for _, text, _, _ in more)
-            layout, tied = chooser.best()
-    if layout is None:
-        return Reading(None, why=_NOT_A_LOG)
-    reading = Reading(fmt, prefix=layout.prefix)
+        layout, found = _choose(sniffed, lines, pid_known=pid_known)
+        if layout is None and not found:
+            return Reading(None, why=_NOT_A_LOG)
+    reading = Reading(fmt, prefix=layout.prefix if layout is not None else FOUND_PER_LINE)
     reading.entries = _stderr_entries(
-        itertools.chain(sniffed, lines), source, layout.pattern, reading
+        itertools.chain(sniffed, lines),
+        source,
+        layout.pattern if layout is not None else None,
+        reading,
+        per_line=per_line,
     )
     return reading
+
+
+def _choose(
+    sniffed: list[Line], lines: Iterator[Line], *, pid_known: bool
+) -> tuple[Layout | None, int]:
+    """The common layout to read with (None: per line), and the lines a severity is found in."""
+    chooser = PrefixChooser(pid_known=pid_known)
+    chooser.add(text for _, text, _, _ in sniffed)
+    layout, tied = chooser.best()
+    # A quiet server's log can open with thousands of checkpoint lines, which every
+    # layout with %q reads alike: read on until a session's line tells them apart.
+    while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
+        more = _head(lines, len(sniffed))
+        if not more:
+            break
+        sniffed += more
+        chooser.add(text for _, text, _, _ in more)
+        layout, tied = chooser.best()
+    words: set[str] = set()
+    found = 0
+    for _, text, _, _ in sniffed:
+        split = split_line(text.rstrip())
+        if split is not None:
+            found += 1
+            word = text[split[0] : text.index(":", split[0])].strip()
+            if word in TRANSLATED_WORDS:
+                words.add(word)
+    if layout is None:
+        return None, found
+    # WARNING: the words of another language are added to the layout only when seen: each
+    # one is tried at every line, and after a lazy %a at every character of it.
+    layout = Layout(layout.prefix, prefix_pattern(layout.prefix, words))
+    hits = sum(
+        1 for _, text, _, _ in sniffed if layout.pattern.match(text.rstrip(), 0, PREFIX_WINDOW)
+    )
+    return (layout if hits * 10 >= found * 9 else None), found
 
 
 def _head(lines: Iterator[_T], count: int) -> list[_T]:
@@ -167,8 +221,13 @@ def _chars(lines: list[_T]) -> int:
     return sum(map(_size, lines))
 
 
-def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case a few lines
-    lines: Iterable[Line], source: str, pattern: re.Pattern[str], reading: Reading
+def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, each case a few lines
+    lines: Iterable[Line],
+    source: str,
+    pattern: re.Pattern[str] | None,
+    reading: Reading,
+    *,
+    per_line: bool = True,
 ) -> Iterator[Entry]:
     """Entries of a stderr log.
 
@@ -176,42 +235,70 @@ def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case
     CONTEXT, STATEMENT... lines of the same process right after it. A log copied through a
     terminal, a ticket or a chat has its tabs turned into spaces: a line that starts with
     spaces and has no prefix continues the entry too, less the indentation of its first
-    such line.
+    such line; a line wrapped at the terminal's width is joined again. Trailing blanks
+    are dropped. ``pattern`` (a layout) reads a line first; else, or when it misses and
+    ``per_line``, the prefix is found in the line itself.
     """
     current: Entry | None = None
     last_key: str | None = None
     indent: int | None = None
     more: list[str] = []  # continuation lines of the field being read, joined at its end
     room = 0  # characters that field may still grow by
+    previous = 0  # length of the previous physical line
+    english = SEVERITY_WORDS.get
     for number, raw, envelope_pid, envelope_time in lines:
-        line = raw.rstrip("\r\n")
+        line = raw.rstrip()
+        length, previous = previous, len(line)
         if current is not None and line.startswith("\t"):
             room = _more(more, line[1:], room, reading)
             continue
-        match = pattern.match(line, 0, PREFIX_WINDOW)  # the message runs on past it
-        if match is None:
-            if current is None:
-                continue  # output of a crashed extension, a pg_ctl message...
-            spaces = len(line) - len(line.lstrip(" "))
-            if spaces and line.strip():
-                indent = spaces if indent is None else indent
-                reading.reindented += 1
-                room = _more(more, line[min(indent, spaces) :], room, reading)
-            elif last_key == "detail" and _BARE_PROCESS.match(line):
-                reading.reindented += 1
-                room = _more(more, line, room, reading)
-            continue
-        groups = match.groupdict()
-        if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
-            groups["message"] = line[match.start("message") :]
+        match = pattern.match(line, 0, PREFIX_WINDOW) if pattern is not None else None
+        if match is not None:
+            groups = match.groupdict()
+            if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
+                groups["message"] = line[match.start("message") :]
+            severity = english(groups["severity"], groups["severity"])
+        else:
+            split = split_line(line) if per_line and line else None
+            if split is None:
+                if current is None:
+                    if line and reading.wording_line is None and has_deadlock_wording(line):
+                        reading.wording_line = number
+                    continue  # output of a crashed extension, a pg_ctl message...
+                spaces = len(line) - len(line.lstrip(" "))
+                numbered = _SYSLOG_MORE.match(line)
+                if numbered is not None:
+                    room = _more(more, line[numbered.end() :], room, reading)
+                elif spaces and line.strip():
+                    indent = spaces if indent is None else indent
+                    reading.reindented += 1
+                    room = _more(more, line[min(indent, spaces) :], room, reading)
+                elif last_key == "detail" and _BARE_PROCESS.match(line):
+                    reading.reindented += 1
+                    room = _more(more, line, room, reading)
+                elif line and length >= _WRAPPED:  # the rest of a line a terminal wrapped
+                    glue = "" if length in _WIDTHS or raw[length : length + 1] == " " else " "
+                    if more:
+                        more[-1] += glue + line
+                    elif last_key is None:
+                        current.message += glue + line
+                    else:
+                        current.extra[last_key] += glue + line
+                    previous = length if length in _WIDTHS else previous
+                elif line and reading.wording_line is None and has_deadlock_wording(line):
+                    reading.wording_line = number
+                continue
+            groups = prefix_fields(line[: split[0]])
+            groups["message"] = line[split[1] :]
+            severity = split[2]
         pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
         if groups.get("session") and not groups.get("pid"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
-        severity = groups["severity"]
         if (
             severity in {"DETAIL", "HINT", "QUERY", "CONTEXT", "LOCATION", "STATEMENT"}
             and current is not None
             and current.pid == pid
+            and severity.lower() not in current.extra
         ):
             if more:  # tested here: a call per entry costs a log of millions
                 _join(current, last_key, more)

@@ -47,6 +47,8 @@ class Side:
     #: Where the application name came from: "this line", "line N" (another line of that
     #: pid), or None when the log never names it.
     named_by: str | None = None
+    #: The CONTEXT of this side's lock wait (log_lock_waits), which names the relation.
+    context: str | None = None
 
     @property
     def job(self) -> str | None:
@@ -75,6 +77,8 @@ class Deadlock:
     statement: str | None = None
     #: Other files where the same deadlock was logged (the csvlog and jsonlog of one server).
     also_in: list[str] = field(default_factory=list)
+    #: Whether a DETAIL showed its cycle (else the sides come from lock waits, or are unknown).
+    detailed: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """The deadlock for ``--json``."""
