@@ -46,9 +46,11 @@ _BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
 #: syslog's numbering of a message's later lines (``[5-2]``), seen without its envelope.
 _SYSLOG_MORE = re.compile(r"\[\d+-(?:[2-9]|\d\d+)\] ?(?:#011)?")
 #: A physical line at least this long may have been wrapped by a terminal or a ticket.
-_WRAPPED = 60
+_WRAPPED = 40
 #: Terminal widths: a line wrapped at one was cut inside a word (joined with nothing).
-_WIDTHS = frozenset({72, 76, 78, 79, 80, 100, 120, 132, 160, 200})
+_WIDTHS = frozenset({80, 100, 120, 132, 160, 200})
+#: The start of a line of its own (a date, a syslog time): never the rest of a wrapped one.
+_NEW = re.compile(r"\d{4}-\d\d-\d\d|[A-Z][a-z]{2} [ \d]\d \d\d:")
 #: What the report names as the prefix of a log read line by line, with no one layout.
 FOUND_PER_LINE = "(found per line)"
 _T = TypeVar("_T", str, "Line")
@@ -244,15 +246,29 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
     indent: int | None = None
     more: list[str] = []  # continuation lines of the field being read, joined at its end
     room = 0  # characters that field may still grow by
-    previous = 0  # length of the previous physical line
+    previous = ""  # the previous physical line
     english = SEVERITY_WORDS.get
+    dangling: str | None = None  # a line that starts like one but holds no severity
     for number, raw, envelope_pid, envelope_time in lines:
         line = raw.rstrip()
-        length, previous = previous, len(line)
+        before, previous = previous, raw  # the line before, as written
         if current is not None and line.startswith("\t"):
             room = _more(more, line[1:], room, reading)
+            dangling = None
             continue
         match = pattern.match(line, 0, PREFIX_WINDOW) if pattern is not None else None
+        if dangling is not None:
+            if match is None and per_line:
+                # A prefix that a wrap parted from its severity: the two lines are one.
+                written = before.rstrip("\r\n")
+                glue = "" if len(written) in _WIDTHS or written != dangling else " "
+                joined = written + glue + line
+                alone = split_line(line)
+                if (alone is None or alone[0] == 0) and split_line(joined) is not None:
+                    line = joined
+                    if pattern is not None:
+                        match = pattern.match(line, 0, PREFIX_WINDOW)
+            dangling = None
         if match is not None:
             groups = match.groupdict()
             if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
@@ -261,30 +277,49 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
         else:
             split = split_line(line) if per_line and line else None
             if split is None:
-                if current is None:
+                if per_line and _NEW.match(line):
+                    dangling = line
+                    if reading.wording_line is None and has_deadlock_wording(line):
+                        reading.wording_line = number
+                    continue
+                if current is None or envelope_pid not in {None, current.pid}:
+                    # Another process's line (syslog carries the pid): never a continuation.
                     if line and reading.wording_line is None and has_deadlock_wording(line):
                         reading.wording_line = number
                     continue  # output of a crashed extension, a pg_ctl message...
                 spaces = len(line) - len(line.lstrip(" "))
                 numbered = _SYSLOG_MORE.match(line)
+                # The line before as written, and the blanks it ended in: a terminal may cut
+                # just after one; a ticket may keep the one it broke the line at.
+                written = before.rstrip("\r\n")
+                length = len(written)
+                tail = written[len(written.rstrip()) :]
+                # Cut at a terminal's width: the rest starts with a space at most, or with
+                # other spaces than the re-indented lines around it.
+                cut = length in _WIDTHS and (
+                    spaces <= 1 or (indent is not None and spaces != indent)
+                )
                 if numbered is not None:
                     room = _more(more, line[numbered.end() :], room, reading)
+                elif last_key == "detail" and _BARE_PROCESS.match(line):
+                    reading.reindented += 1
+                    room = _more(more, line, room, reading)
+                elif cut or (length >= _WRAPPED and line and not spaces and not _NEW.match(line)):
+                    # The rest of a line a terminal or a ticket wrapped: joined again, with
+                    # nothing where the terminal cut, a space where the ticket broke a line.
+                    glue = tail if cut or tail else " "
+                    if more:
+                        more[-1] += glue + line
+                    elif last_key is None:
+                        current.message += (glue if current.message else "") + line
+                    else:
+                        current.extra[last_key] += (glue if current.extra[last_key] else "") + line
+                    if cut:  # the next piece is cut at the same width
+                        previous = before
                 elif spaces and line.strip():
                     indent = spaces if indent is None else indent
                     reading.reindented += 1
                     room = _more(more, line[min(indent, spaces) :], room, reading)
-                elif last_key == "detail" and _BARE_PROCESS.match(line):
-                    reading.reindented += 1
-                    room = _more(more, line, room, reading)
-                elif line and length >= _WRAPPED:  # the rest of a line a terminal wrapped
-                    glue = "" if length in _WIDTHS or raw[length : length + 1] == " " else " "
-                    if more:
-                        more[-1] += glue + line
-                    elif last_key is None:
-                        current.message += glue + line
-                    else:
-                        current.extra[last_key] += glue + line
-                    previous = length if length in _WIDTHS else previous
                 elif line and reading.wording_line is None and has_deadlock_wording(line):
                     reading.wording_line = number
                 continue

@@ -297,6 +297,10 @@ class _Scanner:
         """The deadlock's sides: its DETAIL's, completed from lock waits, each named."""
         deadlock.detailed = any(side.waits_for for side in sides)
         victim = deadlock.victim
+        if deadlock.detailed and not any(side.pid == victim for side in sides):
+            # The process that logs a cycle is in it: a number read from a prefix of an
+            # unknown shape that is not in it was no pid (a line number, a count).
+            deadlock.victim = victim = None
         if victim is not None and not any(side.pid == victim for side in sides):
             sides.insert(0, Side(victim))
         self._complete(deadlock, sides)
