@@ -76,6 +76,14 @@ MSGIDS = (
     'while rechecking updated tuple (%u,%u) in relation "%s"',
     'while checking exclusion constraint on tuple (%u,%u) in relation "%s"',
     'SQL statement "%s"',
+    # log_connections' line, which names a session, and what stands for a name not yet known.
+    "connection authorized: user=%s",
+    " database=%s",
+    " application_name=%s",
+    " SSL enabled (protocol=%s, cipher=%s, bits=%d)",
+    " GSS (authenticated=%s, encrypted=%s)",
+    " GSS (authenticated=%s, encrypted=%s, principal=%s)",
+    "[unknown]",
 )
 _HEADER = '''"""PostgreSQL's translations of the messages `jobrun deadlocks` reads (generated)."""
 

@@ -208,7 +208,7 @@ def detail(text: str) -> str:
     """A deadlock DETAIL with each ``Process N ...`` line in English (statements untouched)."""
     out: list[str] = []
     for line in text.split("\n"):
-        waits = arguments(_WAITS, line) if " waits for " not in line else None
+        waits = arguments(_WAITS, line)
         if waits is not None:
             out.append(_template(_WAITS).format(*waits[:2], lock_tag(waits[2]), waits[3]))
             continue
@@ -284,3 +284,48 @@ _DEADLOCK_WORDING = _wording_pattern()
 def has_deadlock_wording(text: str) -> bool:
     """Whether ``text`` holds a deadlock's wording (its error, its cycle, its detection)."""
     return _DEADLOCK_WORDING.search(text) is not None
+
+
+#: What %a, %u and %d show (in the server's language) before a session is named.
+UNNAMED = frozenset(
+    {"", "[unknown]", *(f for forms in MESSAGES["[unknown]"].values() for f in forms)}
+)
+
+
+def _authorized() -> tuple[frozenset[str], tuple[re.Pattern[str], ...]]:
+    """log_connections' ``connection authorized`` line in each language, its name captured."""
+    languages = sorted({lang for by in MESSAGES.values() for lang in by})
+
+    def start(msgid: str, lang: str) -> str:
+        return MESSAGES[msgid].get(lang, (msgid,))[0].split("%", 1)[0]
+
+    patterns = {}
+    for lang in [None, *languages]:
+        head = start("connection authorized: user=%s", lang) if lang else "connection authorized: "
+        app = start(" application_name=%s", lang) if lang else " application_name="
+        ends = [
+            start(msgid, lang) if lang else msgid.split("%", 1)[0]
+            for msgid in (
+                " SSL enabled (protocol=%s, cipher=%s, bits=%d)",
+                " GSS (authenticated=%s, encrypted=%s)",
+            )
+        ]
+        ends = [re.escape(end.split("(")[0].rstrip() or end) for end in ends]
+        patterns[head, app] = re.compile(
+            rf"{re.escape(head)}.*?{re.escape(app)}(?P<app>.*?)(?:{'|'.join(ends)}|\Z)", re.DOTALL
+        )
+    return frozenset(head[:1] for head, _ in patterns), tuple(patterns.values())
+
+
+_AUTHORIZED_FIRST, _AUTHORIZED = _authorized()
+
+
+def authorized_app(message: str) -> str | None:
+    """The application_name a ``connection authorized`` line (any language) gives, if any."""
+    if message[:1] not in _AUTHORIZED_FIRST:
+        return None
+    for pattern in _AUTHORIZED:
+        match = pattern.match(message)
+        if match is not None:
+            return match["app"]
+    return None

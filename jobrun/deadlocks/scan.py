@@ -22,13 +22,6 @@ if TYPE_CHECKING:
 
 DEADLOCK_MESSAGE = "deadlock detected"
 DEADLOCK_SQLSTATE = "40P01"
-#: log_connections' line for a session, which carries its application_name from the start
-#: (the %a of that line still reads [unknown]: the name is set just after it).
-_AUTHORIZED = re.compile(
-    r"connection authorized: .*?\bapplication_name=(?P<app>.*?)(?: SSL enabled| GSS|\Z)"
-)
-#: What %a (and csvlog/jsonlog) show before the startup packet has named the session.
-_UNNAMED = frozenset({"", "[unknown]"})
 #: A log time to the second, whatever the format wrote around it (``T``, a zone, millis).
 _SECOND = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)")
 #: Entries after a deadlock within which a DETAIL, CONTEXT or STATEMENT of its pid that
@@ -178,11 +171,11 @@ class _Scanner:
         self.entries += 1
         if self.sessions is not None:
             self.sessions.feed(entry)
-        if entry.app in _UNNAMED:
+        if entry.app in language.UNNAMED:
             entry.app = None
-        authorized = _AUTHORIZED.match(entry.message)
-        if authorized and authorized["app"] not in _UNNAMED:
-            entry.app = authorized["app"]
+        authorized = language.authorized_app(entry.message)
+        if authorized is not None and authorized not in language.UNNAMED:
+            entry.app = authorized
         if entry.pid is not None and entry.app:
             self._name_later_sides(entry.pid, entry.line, entry.app)
             self._latest[entry.pid] = (entry.line, entry.app)
