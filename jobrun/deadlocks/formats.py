@@ -250,9 +250,9 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
     english = SEVERITY_WORDS.get
     dangling: str | None = None  # a line that starts like one but holds no severity
     for number, raw, envelope_pid, envelope_time in lines:
-        line = raw.rstrip()
+        line = raw.rstrip(" \t\r\n")  # blanks a re-save or a paste left at the end
         before, previous = previous, raw  # the line before, as written
-        if current is not None and line.startswith("\t"):
+        if current is not None and raw.startswith("\t"):  # a tab, then maybe only blanks
             room = _more(more, line[1:], room, reading)
             dangling = None
             continue
