@@ -126,8 +126,9 @@ class TestAnyPrefix:
         assert_whole(deadlock)
 
     def test_the_given_prefix_still_overrides(self, logging_server, tmp_path):
-        """--log-line-prefix reads as given: a wrong one reads nothing (65), never a guess."""
-        logs = logged_deadlock(logging_server, tmp_path, PREFIX_WITH_APP)
+        """Read with no flag; --log-line-prefix reads as given: a wrong one reads nothing (65)."""
+        logs = logged_deadlock(logging_server, tmp_path, "%t [%p]: db=%d,user=%u,app=%a,client=%h ")
+        assert_whole(one(logs["stderr"]))
         found = deadlocks.find([str(logs["stderr"])], prefix="%t:%r:")
         assert found.files[0].error is not None
         assert not found.deadlocks
@@ -198,7 +199,7 @@ class TestPastes:
         [
             pytest.param(lambda text: text.replace("\n", "   \n"), id="trailing-blanks"),
             pytest.param(lambda text: text.replace("\n", " \r\n"), id="crlf-and-a-blank"),
-            pytest.param(lambda text: text.replace("\n", "\n\n"), id="blank-lines"),
+            pytest.param(lambda text: text.replace("\n", "\t\n\n"), id="blank-lines-and-tabs"),
             pytest.param(
                 lambda text: "".join(f"    {line}\n" for line in text.splitlines()),
                 id="indented-block",
@@ -250,7 +251,7 @@ class TestPastes:
         """Only the DETAIL's first line kept: the other side from its pid's lock wait."""
         logs = logged_deadlock(logging_server, tmp_path, PREFIX_WITH_APP)
         lines = logs["stderr"].read_text().splitlines()
-        at = next(n for n, line in enumerate(lines) if " DETAIL:  Process " in line)
+        at = next(n for n, line in enumerate(lines) if " waits for " in line)
         end = at + 1
         while end < len(lines) and lines[end].startswith("\t"):
             end += 1
@@ -266,7 +267,7 @@ class TestPastes:
         """No DETAIL at all: the victim's ``detected deadlock`` lock wait names the other pid."""
         logs = logged_deadlock(logging_server, tmp_path, PREFIX_WITH_APP)
         lines = logs["stderr"].read_text().splitlines()
-        at = next(n for n, line in enumerate(lines) if " DETAIL:  Process " in line)
+        at = next(n for n, line in enumerate(lines) if " waits for " in line)
         end = at + 1
         while end < len(lines) and lines[end].startswith("\t"):
             end += 1
@@ -351,7 +352,7 @@ class TestNeverASilentZero:
 
     def test_a_statement_quoting_the_words_is_no_deadlock(self, tmp_path):
         """Hand-written: a logged statement holding the words is neither a deadlock nor 65."""
-        head = "2026-12-01 02:08:12.163 UTC [4177] jobs@staging jobrun:a "
+        head = "2026-12-01 02:08:12 UTC "  # %t: no pid, a layout no list held
         path = write(tmp_path, f"{head}LOG:  statement: SELECT 'deadlock detected'\n")
         result = jobrun_cli.run("deadlocks", "--check", str(path), dsn=None)
         assert result.returncode == 0, result.stdout + result.stderr
