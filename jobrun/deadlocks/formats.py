@@ -150,10 +150,11 @@ def _stderr(
     sniffed = _head(lines, SNIFF_LINES)
     layout: Layout | None
     per_line = prefix is None
+    translated = not per_line  # a given prefix reads every language's severity words
     if prefix is not None:
         layout = Layout(prefix, prefix_pattern(prefix, SEVERITY_WORDS))
     else:
-        layout, found = _choose(sniffed, lines, pid_known=pid_known)
+        layout, found, translated = _choose(sniffed, lines, pid_known=pid_known)
         if layout is None and not found:
             return Reading(None, why=_NOT_A_LOG)
     reading = Reading(fmt, prefix=layout.prefix if layout is not None else FOUND_PER_LINE)
@@ -163,14 +164,18 @@ def _stderr(
         layout.pattern if layout is not None else None,
         reading,
         per_line=per_line,
+        translated=translated,
     )
     return reading
 
 
 def _choose(
     sniffed: list[Line], lines: Iterator[Line], *, pid_known: bool
-) -> tuple[Layout | None, int]:
-    """The common layout to read with (None: per line), and the lines a severity is found in."""
+) -> tuple[Layout | None, int, bool]:
+    """The layout to read with (None: per line), lines with a severity, other languages read.
+
+    The last: whether the layout reads severity words of another language than English.
+    """
     chooser = PrefixChooser(pid_known=pid_known)
     chooser.add(text for _, text, _, _ in sniffed)
     layout, tied = chooser.best()
@@ -193,14 +198,14 @@ def _choose(
             if word in TRANSLATED_WORDS:
                 words.add(word)
     if layout is None:
-        return None, found
+        return None, found, False
     # WARNING: the words of another language are added to the layout only when seen: each
     # one is tried at every line, and after a lazy %a at every character of it.
     layout = Layout(layout.prefix, prefix_pattern(layout.prefix, words))
     hits = sum(
         1 for _, text, _, _ in sniffed if layout.pattern.match(text.rstrip(), 0, PREFIX_WINDOW)
     )
-    return (layout if hits * 10 >= found * 9 else None), found
+    return (layout if hits * 10 >= found * 9 else None), found, bool(words)
 
 
 def _head(lines: Iterator[_T], count: int) -> list[_T]:
@@ -230,6 +235,7 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
     reading: Reading,
     *,
     per_line: bool = True,
+    translated: bool = False,
 ) -> Iterator[Entry]:
     """Entries of a stderr log.
 
@@ -239,7 +245,8 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
     spaces and has no prefix continues the entry too, less the indentation of its first
     such line; a line wrapped at the terminal's width is joined again. Trailing blanks
     are dropped. ``pattern`` (a layout) reads a line first; else, or when it misses and
-    ``per_line``, the prefix is found in the line itself.
+    ``per_line``, the prefix is found in the line itself. ``translated``: the layout reads
+    severity words of other languages, to be put into English.
     """
     current: Entry | None = None
     last_key: str | None = None
@@ -247,7 +254,6 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
     more: list[str] = []  # continuation lines of the field being read, joined at its end
     room = 0  # characters that field may still grow by
     previous = ""  # the previous physical line
-    english = SEVERITY_WORDS.get
     dangling: str | None = None  # a line that starts like one but holds no severity
     for number, raw, envelope_pid, envelope_time in lines:
         line = raw.rstrip(" \t\r\n")  # blanks a re-save or a paste left at the end
@@ -273,7 +279,9 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
             groups = match.groupdict()
             if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
                 groups["message"] = line[match.start("message") :]
-            severity = english(groups["severity"], groups["severity"])
+            severity = groups["severity"]
+            if translated:  # tested here: a call per line costs a log of millions
+                severity = SEVERITY_WORDS.get(severity, severity)
         else:
             split = split_line(line) if per_line and line else None
             if split is None:

@@ -268,22 +268,32 @@ def holders(detail_text: str) -> list[int]:
     return [int(pid) for pid in re.findall(r"\d+", match["pids"])]
 
 
+#: Characters of a text searched for a deadlock's wording: the error, the cycle's lines and
+#: the detection come first in their message; a statement after them may run to megabytes.
+WORDING_WINDOW = 4096
+
+
 def _wording_pattern() -> re.Pattern[str]:
     texts = [re.escape(text) for text in DEADLOCK_TEXTS]
+    # WARNING: an argument is matched within a bounded run of one line, never ``.*?``: on
+    # a crafted line repeating the words, a lazy run to the end at each would be quadratic.
     texts.extend(
-        form.pattern.pattern.removeprefix(r"\s*").removesuffix(r"\s*\Z")
+        form.pattern.pattern.removeprefix(r"\s*")
+        .removesuffix(r"\s*\Z")
+        .replace("(.*?)", r"[^\n]{0,200}?")
+        .replace(r"\s+", r"\s{1,8}")
         for msgid in (_WAITS, LOCK_WAITS["detected deadlock"])
         for form in _forms(msgid)
     )
-    return re.compile("|".join(texts), re.DOTALL)
+    return re.compile("|".join(texts))
 
 
 _DEADLOCK_WORDING = _wording_pattern()
 
 
 def has_deadlock_wording(text: str) -> bool:
-    """Whether ``text`` holds a deadlock's wording (its error, its cycle, its detection)."""
-    return _DEADLOCK_WORDING.search(text) is not None
+    """Whether ``text`` (its first WORDING_WINDOW characters) holds a deadlock's wording."""
+    return _DEADLOCK_WORDING.search(text, 0, WORDING_WINDOW) is not None
 
 
 #: What %a, %u and %d show (in the server's language) before a session is named.
@@ -317,12 +327,13 @@ def _authorized() -> tuple[frozenset[str], tuple[re.Pattern[str], ...]]:
     return frozenset(head[:1] for head, _ in patterns), tuple(patterns.values())
 
 
-_AUTHORIZED_FIRST, _AUTHORIZED = _authorized()
+#: First characters of log_connections' line in every language.
+AUTHORIZED_FIRST, _AUTHORIZED = _authorized()
 
 
 def authorized_app(message: str) -> str | None:
     """The application_name a ``connection authorized`` line (any language) gives, if any."""
-    if message[:1] not in _AUTHORIZED_FIRST:
+    if message[:1] not in AUTHORIZED_FIRST:
         return None
     for pattern in _AUTHORIZED:
         match = pattern.match(message)

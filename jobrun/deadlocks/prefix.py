@@ -183,6 +183,7 @@ def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None
 
 #: Lengths of the severity words of every language, longest first (a suffix is tried per length).
 _WORD_LENGTHS = sorted({len(word) for word in SEVERITY_WORDS}, reverse=True)
+_LAST_CHARS = frozenset(word[-1] for word in SEVERITY_WORDS)
 _FOUND_TIME = re.compile(
     r"(?P<time>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?"
     r"(?: ?(?:[A-Z]{2,5}|[+-]\d\d(?::?\d\d)?|Z)(?![A-Za-z]))?)"
@@ -221,6 +222,9 @@ def split_line(line: str, window: int = PREFIX_WINDOW) -> tuple[int, int, str] |
         spaces = 2 if line.startswith("  ", after) else 1 if line.startswith(" ", after) else 0
         if spaces or after == len(line):
             head_end = at - 1 if at and line[at - 1] == " " else at  # French: ``ASTUCE :``
+            if line[head_end - 1 : head_end] not in _LAST_CHARS:  # no word ends here
+                at = line.find(":", after, end)
+                continue
             for length in _WORD_LENGTHS:
                 start = head_end - length
                 if start < 0:

@@ -123,6 +123,8 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
             out.append(f"    waits for {side.waits_for}, held by process {side.blocked_by}")
         if side.statement:
             out.append(f"    running: {' '.join(side.statement.split())}")
+        if side.context and side.context != deadlock.context:
+            out.append(f"    context: {' '.join(side.context.split())}")
     if deadlock.context:
         out.append(f"  context: {' '.join(deadlock.context.split())}")
     suggestion = suggest(deadlock)

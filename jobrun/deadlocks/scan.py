@@ -29,6 +29,12 @@ _SECOND = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)")
 _ORPHAN_REACH = 200
 #: Sides a cycle is followed to through lock waits when its DETAIL was cut.
 _MAX_SIDES = 16
+_UNNAMED = language.UNNAMED
+_AUTHORIZED_FIRST = language.AUTHORIZED_FIRST
+_LOCK_WAIT_FIRST = language.LOCK_WAIT_FIRST
+_ERRORS = frozenset({"ERROR", "FATAL", "PANIC"})
+#: The lines after a message that other lines may have parted from it.
+_PARTS = frozenset({"DETAIL", "CONTEXT", "STATEMENT"})
 
 
 def find(
@@ -167,38 +173,40 @@ class _Scanner:
         #: The first line with a deadlock's wording (a deadlock read or not).
         self.wording_line: int | None = None
 
-    def feed(self, entry: Entry) -> None:  # noqa: C901 - one test per kind of line
+    def feed(self, entry: Entry) -> None:  # noqa: C901, PLR0912 - a test per kind of line
+        # WARNING: called for each of the millions of entries of a big log: each test here
+        # is the cheapest that rules the common entry out (its first character, a dict).
         self.entries += 1
         if self.sessions is not None:
             self.sessions.feed(entry)
-        if entry.app in language.UNNAMED:
+        if entry.app in _UNNAMED:
             entry.app = None
-        authorized = language.authorized_app(entry.message)
-        if authorized is not None and authorized not in language.UNNAMED:
-            entry.app = authorized
+        message = entry.message
+        first = message[:1]
+        if first in _AUTHORIZED_FIRST:
+            authorized = language.authorized_app(message)
+            if authorized is not None and authorized not in _UNNAMED:
+                entry.app = authorized
         if entry.pid is not None and entry.app:
             self._name_later_sides(entry.pid, entry.line, entry.app)
             self._latest[entry.pid] = (entry.line, entry.app)
         severity = entry.severity
         if severity == "LOG":
-            if entry.message[:1] in language.LOCK_WAIT_FIRST:
+            if first in _LOCK_WAIT_FIRST:
                 self._lock_wait(entry)
-        elif severity in {"ERROR", "FATAL", "PANIC"}:
-            if entry.sqlstate == DEADLOCK_SQLSTATE or entry.message.lstrip().startswith(
+        elif severity in _ERRORS:
+            if entry.sqlstate == DEADLOCK_SQLSTATE or message.lstrip().startswith(
                 language.DEADLOCK_TEXTS
             ):
                 self._add(self._deadlock(entry))
-            elif language.has_deadlock_wording(entry.message):
+            elif language.has_deadlock_wording(message):
                 self._saw_wording(entry.line)
-        elif severity in {"DETAIL", "CONTEXT", "STATEMENT"}:
+        elif severity in _PARTS:
             self._orphan(entry)
-        detail = entry.extra.get("detail")
-        if (
-            detail is not None
-            and self.wording_line is None
-            and language.has_deadlock_wording(detail)
-        ):
-            self._saw_wording(entry.line)
+        if entry.extra and self.wording_line is None:
+            detail = entry.extra.get("detail")
+            if detail is not None and language.has_deadlock_wording(detail):
+                self._saw_wording(entry.line)
 
     def _saw_wording(self, line: int) -> None:
         if self.wording_line is None:
