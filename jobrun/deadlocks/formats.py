@@ -334,9 +334,14 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
             groups = prefix_fields(line[: split[0]])
             groups["message"] = line[split[1] :]
             severity = split[2]
-        pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
-        if groups.get("session") and not groups.get("pid"):
+        found = groups.get("pid")
+        pid: int | None
+        if found:
+            pid = int(found)
+        elif groups.get("session"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
+        else:
+            pid = envelope_pid
         if (
             severity in {"DETAIL", "HINT", "QUERY", "CONTEXT", "LOCATION", "STATEMENT"}
             and current is not None

@@ -42,9 +42,10 @@ ENVELOPED_PREFIXES: tuple[str, ...] = (
 #: hundred at most): the lazy fields of a layout (``%u@%d %a``) backtrack, and on a crafted
 #: line would do so over its whole length, in time that grows with its square.
 PREFIX_WINDOW = 1024
+#: The severity words, the most frequent first: the alternation tries them in this order.
 SEVERITIES = (
-    "DEBUG1|DEBUG2|DEBUG3|DEBUG4|DEBUG5|DEBUG|INFO|NOTICE|WARNING|ERROR|LOG|FATAL|PANIC|"
-    "DETAIL|HINT|QUERY|CONTEXT|LOCATION|STATEMENT"
+    "LOG|ERROR|DETAIL|STATEMENT|CONTEXT|HINT|WARNING|NOTICE|INFO|FATAL|PANIC|QUERY|LOCATION|"
+    "DEBUG1|DEBUG2|DEBUG3|DEBUG4|DEBUG5|DEBUG"
 )
 #: The server writes two spaces after the severity; a copy through a chat or a ticket
 #: often keeps one. French labels put a space before the colon (``ASTUCE :``).

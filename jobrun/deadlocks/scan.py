@@ -188,7 +188,8 @@ class _Scanner:
             if authorized is not None and authorized not in _UNNAMED:
                 entry.app = authorized
         if entry.pid is not None and entry.app:
-            self._name_later_sides(entry.pid, entry.line, entry.app)
+            if self._waiting:  # tested here: most entries come when no side waits for a name
+                self._name_later_sides(entry.pid, entry.line, entry.app)
             self._latest[entry.pid] = (entry.line, entry.app)
         severity = entry.severity
         if severity == "LOG":
