@@ -572,3 +572,56 @@ def _fill(form: str, values: list[str]) -> str:
         return values[index]
 
     return re.sub(r"%(?:(\d+)\$)?[a-z]+", one_value, form)
+
+
+class TestCraftedLines:
+    """Hand-written crafted files: the per-line reader stays bounded and linear on them."""
+
+    #: Seconds the reader may take: the quadratic readers these guard against take minutes.
+    QUICK = 30
+    HEAD = "2026-12-01 02:08:12 UTC <4177> "  # a layout no common one fits: read per line
+
+    def deadlock(self) -> str:
+        return (
+            f"{self.HEAD}ERROR:  deadlock detected\n"
+            f"{self.HEAD}DETAIL:  Process 4177 waits for ShareLock on transaction 7; "
+            "blocked by process 4178.\n"
+            "\tProcess 4178 waits for ShareLock on transaction 8; blocked by process 4177.\n"
+        )
+
+    def test_endless_wrapped_lines_are_cut_at_the_line_limit(self, tmp_path):
+        """Unindented lines after a long one (a wrap, joined) past 8 MiB: cut there, said."""
+        from jobrun.deadlocks import sources  # noqa: PLC0415
+
+        log = tmp_path / "wrapped.log"
+        piece = "y" * 1023 + "\n"
+        with log.open("w") as out:
+            out.write(f"{self.HEAD}LOG:  statement: SELECT " + "x" * 60 + "\n")
+            out.write(piece * ((sources.LINE_LIMIT + 2**20) // len(piece)))
+            out.write(self.deadlock())
+        result = jobrun_cli.run("deadlocks", str(log), dsn=None, timeout=self.QUICK)
+        assert result.returncode == 65, result.stderr
+        assert "1 line(s) cut at" in result.stdout
+        assert "1 deadlock(s) in 1 file(s)" in result.stdout
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            pytest.param(": " * 500, id="colons"),
+            pytest.param("LOG:  process 1 still waiting for " + "a on " * 400, id="lock-wait"),
+            pytest.param("DETAIL:  Process 1 waits for " + "a on " * 400, id="cycle"),
+            pytest.param("ERROR:  " + "Process 1 waits for a on b; " * 70, id="wording"),
+            pytest.param("[1]" * 200 + "a@" * 100 + " LOG:  x", id="prefix-fields"),
+        ],
+    )
+    def test_crafted_lines_read_per_line_stay_quick(self, tmp_path, line):
+        """16 MiB of lines built to make a per-line search backtrack: read in linear time."""
+        log = tmp_path / "crafted.log"
+        with log.open("w") as out:
+            out.write(f"{self.HEAD}LOG:  database system is ready to accept connections\n")
+            out.write((self.HEAD + line + "\n") * (16 * 2**20 // (len(self.HEAD) + len(line))))
+            out.write(self.deadlock())
+        started = time.monotonic()
+        found = deadlocks.find([str(log)])
+        assert time.monotonic() - started < self.QUICK
+        assert len(found.deadlocks) == 1, deadlocks.report(found)

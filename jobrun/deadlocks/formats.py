@@ -49,6 +49,9 @@ _SYSLOG_MORE = re.compile(r"\[\d+-(?:[2-9]|\d\d+)\] ?(?:#011)?")
 _WRAPPED = 40
 #: Terminal widths: a line wrapped at one was cut inside a word (joined with nothing).
 _WIDTHS = frozenset({80, 100, 120, 132, 160, 200})
+#: Marks, in a field's continuation lines, the rest of a wrapped line: joined to the line
+#: before it, not after a newline (a noncharacter, which no server writes).
+_GLUED = "\U0010fffe"
 #: The start of a line of its own (a date, a syslog time): never the rest of a wrapped one.
 _NEW = re.compile(r"\d{4}-\d\d-\d\d|[A-Z][a-z]{2} [ \d]\d \d\d:")
 #: What the report names as the prefix of a log read line by line, with no one layout.
@@ -263,17 +266,21 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
             dangling = None
             continue
         match = pattern.match(line, 0, PREFIX_WINDOW) if pattern is not None else None
+        split: tuple[int, int, str] | None = None
+        unsplit = True  # split_line not tried on this line yet
         if dangling is not None:
             if match is None and per_line:
                 # A prefix that a wrap parted from its severity: the two lines are one.
                 written = before.rstrip("\r\n")
                 glue = "" if len(written) in _WIDTHS or written != dangling else " "
                 joined = written + glue + line
-                alone = split_line(line)
-                if (alone is None or alone[0] == 0) and split_line(joined) is not None:
-                    line = joined
-                    if pattern is not None:
-                        match = pattern.match(line, 0, PREFIX_WINDOW)
+                split, unsplit = split_line(line), False
+                if split is None or split[0] == 0:
+                    together = split_line(joined)
+                    if together is not None:
+                        line, split = joined, together
+                        if pattern is not None:
+                            match = pattern.match(line, 0, PREFIX_WINDOW)
             dangling = None
         if match is not None:
             groups = match.groupdict()
@@ -283,7 +290,8 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
             if translated:  # tested here: a call per line costs a log of millions
                 severity = SEVERITY_WORDS.get(severity, severity)
         else:
-            split = split_line(line) if per_line and line else None
+            if unsplit:
+                split = split_line(line) if per_line and line else None
             if split is None:
                 if per_line and _NEW.match(line):
                     dangling = line
@@ -316,12 +324,7 @@ def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, 
                     # The rest of a line a terminal or a ticket wrapped: joined again, with
                     # nothing where the terminal cut, a space where the ticket broke a line.
                     glue = tail if cut or tail else " "
-                    if more:
-                        more[-1] += glue + line
-                    elif last_key is None:
-                        current.message += (glue if current.message else "") + line
-                    else:
-                        current.extra[last_key] += (glue if current.extra[last_key] else "") + line
+                    room = _more(more, _GLUED + glue + line, room, reading)
                     if cut:  # the next piece is cut at the same width
                         previous = before
                 elif spaces and line.strip():
@@ -392,8 +395,14 @@ def _join(entry: Entry, key: str | None, more: list[str]) -> None:
     """The field's continuation lines added to it, in one join (adding each is quadratic)."""
     if not more:
         return
+    base = entry.message if key is None else entry.extra[key]
+    text = "\n".join([base, *more])
+    if _GLUED in text:  # the rest of a wrapped line goes on its line, not on one of its own
+        text = text.replace("\n" + _GLUED, "")
+        if not base and more[0].startswith(_GLUED):
+            text = text.lstrip(" \t")
     if key is None:
-        entry.message = "\n".join([entry.message, *more])
+        entry.message = text
     else:
-        entry.extra[key] = "\n".join([entry.extra[key], *more])
+        entry.extra[key] = text
     more.clear()

@@ -82,7 +82,8 @@ def _literal(text: str) -> str:
     return r"\s+".join(re.escape(part) for part in re.split(r"\s+", text))
 
 
-def _form(fmt: str) -> _Form:
+def _form(fmt: str, words: tuple[int, ...] = ()) -> _Form:
+    """``fmt`` as a pattern; the arguments numbered in ``words`` are one word (a lock mode)."""
     parts: list[str] = []
     order: list[int] = []
     position = count = 0
@@ -92,9 +93,16 @@ def _form(fmt: str) -> _Form:
         if spec[2] == "%":
             parts.append("%")
             continue
-        order.append(int(spec[1]) - 1 if spec[1] else count)
+        index = int(spec[1]) - 1 if spec[1] else count
+        order.append(index)
         count += 1
-        parts.append(r"(-?\d+)" if spec[2] in "diouxX" else r"(.*?)")
+        if spec[2] in "diouxX":
+            parts.append(r"(-?\d+)")
+        else:
+            # WARNING: one free argument per pattern at most: two lazy runs split by a word
+            # (" on ") would try every split of a crafted line, in time growing with its
+            # square. The lock mode is one word.
+            parts.append(r"(\S+?)" if index in words else r"(.*?)")
     parts.append(_literal(fmt[position:]))
     return _Form(re.compile(r"\s*" + "".join(parts) + r"\s*\Z", re.DOTALL), tuple(order))
 
@@ -102,7 +110,8 @@ def _form(fmt: str) -> _Form:
 @functools.cache
 def _forms(msgid: str) -> tuple[_Form, ...]:
     translated = {form for forms in MESSAGES.get(msgid, {}).values() for form in forms}
-    return (_form(msgid), *(_form(form) for form in sorted(translated)))
+    words = (1,) if " on %s" in msgid else ()  # the lock mode, before the lock's tag
+    return (_form(msgid, words), *(_form(form, words) for form in sorted(translated)))
 
 
 @functools.cache
@@ -119,8 +128,15 @@ def _template(msgid: str) -> str:
     return _SPEC.sub(number, msgid.replace("{", "{{").replace("}", "}}"))
 
 
+#: The longest text read as one of the messages here: theirs are short, and a pattern with
+#: two lazy arguments tried on a crafted long line would take time growing with its square.
+LONGEST = 2048
+
+
 def arguments(msgid: str, text: str) -> list[str] | None:
     """The arguments of ``msgid`` (in its order) when ``text`` is it in some language."""
+    if len(text) > LONGEST:
+        return None
     for form in _forms(msgid):
         match = form.pattern.match(text)
         if match is not None:

@@ -184,7 +184,12 @@ def choose_prefix(lines: list[str], *, pid_known: bool = False) -> Layout | None
 
 #: Lengths of the severity words of every language, longest first (a suffix is tried per length).
 _WORD_LENGTHS = sorted({len(word) for word in SEVERITY_WORDS}, reverse=True)
-_LAST_CHARS = frozenset(word[-1] for word in SEVERITY_WORDS)
+#: A colon after a character a severity word ends with (a space between: French), then a
+#: space or the line's end: searched in C, where a Python loop over every colon of a
+#: crafted line would be slow.
+_CANDIDATE = re.compile(
+    "[" + re.escape("".join(sorted({word[-1] for word in SEVERITY_WORDS}))) + "] ?:(?= |\\Z)"
+)
 _FOUND_TIME = re.compile(
     r"(?P<time>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?"
     r"(?: ?(?:[A-Z]{2,5}|[+-]\d\d(?::?\d\d)?|Z)(?![A-Za-z]))?)"
@@ -216,27 +221,22 @@ def split_line(line: str, window: int = PREFIX_WINDOW) -> tuple[int, int, str] |
     spaces the server writes. One space, or none at the end of the line, is taken only
     after a prefix that starts like one (a time, a ``[pid]``), or none: a copy keeps one.
     """
-    end = min(len(line), window)
-    at = line.find(":", 0, end)
-    while at != -1:
-        after = at + 1
+    for candidate in _CANDIDATE.finditer(line, 0, min(len(line), window)):
+        head_end = candidate.start() + 1  # just after the word's last character
+        after = candidate.end()  # just after the colon
         spaces = 2 if line.startswith("  ", after) else 1 if line.startswith(" ", after) else 0
-        if spaces or after == len(line):
-            head_end = at - 1 if at and line[at - 1] == " " else at  # French: ``ASTUCE :``
-            if line[head_end - 1 : head_end] not in _LAST_CHARS:  # no word ends here
-                at = line.find(":", after, end)
+        if not spaces and after != len(line):
+            continue
+        for length in _WORD_LENGTHS:
+            start = head_end - length
+            if start < 0:
                 continue
-            for length in _WORD_LENGTHS:
-                start = head_end - length
-                if start < 0:
-                    continue
-                english = SEVERITY_WORDS.get(line[start:head_end])
-                if english is None:
-                    continue
-                if spaces < 2 and start and line[0] not in "0123456789[":  # noqa: PLR2004
-                    break
-                return start, after + spaces, english
-        at = line.find(":", after, end)
+            english = SEVERITY_WORDS.get(line[start:head_end])
+            if english is None:
+                continue
+            if spaces < 2 and start and line[0] not in "0123456789[":  # noqa: PLR2004
+                break
+            return start, after + spaces, english
     return None
 
 
