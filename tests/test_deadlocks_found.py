@@ -494,6 +494,8 @@ class TestLanguages:
         text = logs["stderr"].read_text()
         (said,) = catalog.MESSAGES["deadlock detected"][lang]
         assert said in text, f"the server did not speak {lang}: {text[:2000]}"
+        # The common layout is chosen with the language's words (the fast way), not per line.
+        assert deadlocks.find([str(logs["stderr"])]).files[0].prefix == PREFIX_WITH_APP
         for fmt, path in logs.items():
             deadlock = one(path)
             assert_whole(deadlock)

@@ -179,7 +179,16 @@ def _choose(
 
     The last: whether the layout reads severity words of another language than English.
     """
-    chooser = PrefixChooser(pid_known=pid_known)
+    # WARNING: the words of another language are added to the layouts only when seen: each
+    # one is tried at every line, and after a lazy %a at every character of it.
+    words: set[str] = set()
+    for _, text, _, _ in sniffed:
+        split = split_line(text.rstrip())
+        if split is not None:
+            word = text[split[0] : text.index(":", split[0])].strip()
+            if word in TRANSLATED_WORDS:
+                words.add(word)
+    chooser = PrefixChooser(pid_known=pid_known, words=words)
     chooser.add(text for _, text, _, _ in sniffed)
     layout, tied = chooser.best()
     # A quiet server's log can open with thousands of checkpoint lines, which every
@@ -191,20 +200,9 @@ def _choose(
         sniffed += more
         chooser.add(text for _, text, _, _ in more)
         layout, tied = chooser.best()
-    words: set[str] = set()
-    found = 0
-    for _, text, _, _ in sniffed:
-        split = split_line(text.rstrip())
-        if split is not None:
-            found += 1
-            word = text[split[0] : text.index(":", split[0])].strip()
-            if word in TRANSLATED_WORDS:
-                words.add(word)
+    found = sum(1 for _, text, _, _ in sniffed if split_line(text.rstrip()) is not None)
     if layout is None:
         return None, found, False
-    # WARNING: the words of another language are added to the layout only when seen: each
-    # one is tried at every line, and after a lazy %a at every character of it.
-    layout = Layout(layout.prefix, prefix_pattern(layout.prefix, words))
     hits = sum(
         1 for _, text, _, _ in sniffed if layout.pattern.match(text.rstrip(), 0, PREFIX_WINDOW)
     )

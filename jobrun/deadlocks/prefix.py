@@ -140,10 +140,11 @@ class PrefixChooser:
     application name; then how many fields it names at all.
     """
 
-    def __init__(self, *, pid_known: bool = False) -> None:
+    def __init__(self, *, pid_known: bool = False, words: Iterable[str] = ()) -> None:
         self._pid_known = pid_known
         candidates = COMMON_PREFIXES + (ENVELOPED_PREFIXES if pid_known else ())
-        self._scores = {Layout(c, prefix_pattern(c)): (0, 0, 0) for c in candidates}
+        words = tuple(words)
+        self._scores = {Layout(c, prefix_pattern(c, words)): (0, 0, 0) for c in candidates}
 
     def add(self, lines: Iterable[str]) -> None:
         """Score these lines (continuation lines, which carry no prefix, are skipped)."""

@@ -120,7 +120,13 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
         victim = " [aborted by PostgreSQL]" if side.pid == deadlock.victim else ""
         out.append(f"  {describe(side)}{victim}")
         if side.waits_for:
-            out.append(f"    waits for {side.waits_for}, held by process {side.blocked_by}")
+            held = f"process {side.blocked_by}" if side.blocked_by is not None else "(not logged)"
+            out.append(f"    waits for {side.waits_for}, held by {held}")
+        else:
+            out.append(
+                "    waits for: not in the log (the DETAIL does not show it, and no lock wait "
+                "of this pid was logged before it: log_lock_waits = on)"
+            )
         if side.statement:
             out.append(f"    running: {' '.join(side.statement.split())}")
         if side.context and side.context != deadlock.context:
