@@ -14,6 +14,7 @@ Catalogs are looked for as ``<root>/<lang>/LC_MESSAGES/postgres-<version>.mo`` u
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import shutil
 import struct
@@ -121,6 +122,14 @@ def catalogs(roots: list[Path]) -> list[Path]:
     return sorted(found, key=lambda path: (path.parts[-3], path.name, str(path)))
 
 
+def checksums(paths: list[Path]) -> dict[str, str]:
+    """CHECKSUMS as catalog.py holds them: ``<lang>/<file>`` -> the file's SHA-256."""
+    return {
+        f"{path.parts[-3]}/{path.name}": hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in paths
+    }
+
+
 def tables(
     paths: list[Path],
 ) -> tuple[dict[str, tuple[str, ...]], dict[str, dict[str, tuple[str, ...]]]]:
@@ -155,6 +164,9 @@ def build(paths: list[Path]) -> str:
     text = (
         _HEADER
         + _literal(source_table)
+        + "\n#: Each catalog's SHA-256: the table matches these files, not others of that name.\n"
+        + "CHECKSUMS: dict[str, str] = "
+        + _literal(checksums(paths))
         + "\n#: msgid -> {language: its translations}; a language absent writes the msgid.\n"
         + "MESSAGES: dict[str, dict[str, tuple[str, ...]]] = "
         + _literal(message_table)

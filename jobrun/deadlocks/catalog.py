@@ -20,6 +20,21 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "zh_CN": ("postgres-15.mo",),
     "zh_TW": ("postgres-15.mo",),
 }
+#: Each catalog's SHA-256: the table matches these files, not others of that name.
+CHECKSUMS: dict[str, str] = {
+    "de/postgres-15.mo": "a44a122ffc89994c4069f35c4ab13bd7fd43081dac6aa0992054072a36c2b058",
+    "es/postgres-15.mo": "e098adc1e74e82a124554d1fd2cbf33d296b07db67435e1129a2ce424fdf0e76",
+    "fr/postgres-15.mo": "1abbb61e2c829061271355a6b3fe2348966352dbc107cfecd3b6a3274ffb3fbf",
+    "it/postgres-15.mo": "6cd584425ddf33ac1c0cb3b25e7ac9f1eb2b5e72f479baf02e05e1b080aae6cf",
+    "ja/postgres-15.mo": "254685c8620a754d9bccfc447fa8926837d8e3f90596d7b4b916d587108a4b56",
+    "ka/postgres-15.mo": "41f30b344e590e4881c4556700c4bbbb81dd519a16d5d45232a4e9aa7b6d3ad2",
+    "ko/postgres-15.mo": "8eb490bf7d59943ee08478bfdfd0a060e5fb4ee9065193ced76066b88ca09864",
+    "ru/postgres-15.mo": "b01729c2c25c889b879d4a99a038a36b423fa835642f47ed1a57cb4ad97144cc",
+    "sv/postgres-15.mo": "c229143bf956668ad71b0dffc990105b6cdf4a54fb8dbf164e7f2e5bb6e922bb",
+    "uk/postgres-15.mo": "6935628c9c459460e04ee04d31532d13dd99bfe346c485035522c6f64e2a3aca",
+    "zh_CN/postgres-15.mo": "b2d9722cafd61446e79233223da8943a2eb8d3b815191c60a9c48aa794504afb",
+    "zh_TW/postgres-15.mo": "3741867781f6dff29c2cc656aab3edd64e632813ec33fe5da2e8b3f2fe57d50e",
+}
 #: msgid -> {language: its translations}; a language absent writes the msgid.
 MESSAGES: dict[str, dict[str, tuple[str, ...]]] = {
     "DEBUG": {
