@@ -349,6 +349,7 @@ class TestNeverASilentZero:
         result = jobrun_cli.run("deadlocks", "--check", str(path), dsn=None)
         assert result.returncode == 65, result.stdout
         assert "line 2" in result.stderr
+        assert "0 deadlock(s) in 1 file(s), 1 with a deadlock not read" in result.stdout
 
     def test_a_statement_quoting_the_words_is_no_deadlock(self, tmp_path):
         """Hand-written: a logged statement holding the words is neither a deadlock nor 65."""

@@ -118,6 +118,7 @@ def _read(
         read.prefix, read.reindented = reading.prefix, reading.reindented
         why = _not_read(reading, read.entries, prefix, stopped=bool(limits))
         if why is None and not scanner.deadlocks and wording:
+            read.deadlock_unread = min(wording)
             why = (
                 f"line {min(wording)} reads like a deadlock (its wording), yet no deadlock "
                 "could be read from the file: not counted as 0 deadlocks"
