@@ -8,6 +8,12 @@ the deadlocks each found::
 
     .venv/bin/python benchmarks/bench_deadlocks.py --size 200 --runs 1
 
+``--tree DIR`` (repeatable) runs the ``jobrun`` package found in DIR instead, each in turn,
+alternating run by run, without pgBadger: two versions compared on one log, in one session
+(``git archive main jobrun | tar -x -C /tmp/before``)::
+
+    .venv/bin/python benchmarks/bench_deadlocks.py --runs 3 --tree /tmp/before --tree .
+
 Prints figures; not a test.
 """
 
@@ -79,17 +85,21 @@ def measure(argv: list[str]) -> tuple[float, float, int, str]:
     return wall, cpu, after.ru_maxrss // 1024, done.stdout
 
 
-def in_child(argv: list[str]) -> tuple[float, float, int, str]:
-    """measure() in a fresh process, so that the peak RSS is this command's alone."""
+def in_child(argv: list[str], cwd: Path | None = None) -> tuple[float, float, int, str]:
+    """measure() in a fresh process, so that the peak RSS is this command's alone.
+
+    ``cwd``: where ``python -m jobrun`` finds its package (a tree to compare).
+    """
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import bench_deadlocks as b; "
         "print(json.dumps(b.measure(sys.argv[2:])))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), *argv],
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parent), *argv],
         capture_output=True,
         text=True,
         check=True,
+        cwd=cwd,
     )
     wall, cpu, rss, stdout = json.loads(done.stdout.splitlines()[-1])
     return wall, cpu, rss, stdout
@@ -99,6 +109,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=200, help="log size in MB (default 200)")
     parser.add_argument("--runs", type=int, default=1, help="runs per tool (default 1)")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        type=Path,
+        default=[],
+        help="a directory holding a jobrun package to run instead (repeatable; no pgBadger)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="jobrun-bench-deadlocks-"))
     try:
@@ -106,11 +123,13 @@ def main() -> None:
         expected = write_log(log, args.size)
         mib = log.stat().st_size / 2**20
         print(f"log: {mib:.0f} MiB, {expected} deadlocks; load {os.getloadavg()[0]:.1f}")
-        tools = {
-            "jobrun deadlocks": [sys.executable, "-m", "jobrun", "deadlocks", "--json", str(log)]
-        }
+        argv = [sys.executable, "-m", "jobrun", "deadlocks", "--json", str(log)]
+        tools = {"jobrun deadlocks": argv}
+        trees = {f"jobrun {tree}": tree.resolve() for tree in args.tree}
         pgbadger = shutil.which("pgbadger")
-        if pgbadger:
+        if trees:
+            tools = dict.fromkeys(trees, argv)
+        elif pgbadger:
             tools["pgbadger"] = [
                 pgbadger, "--prefix", "%m [%p] %q%u@%d %a ", "-o", str(work / "out.txt"),
                 "-x", "text", "--quiet", str(log),
@@ -119,15 +138,15 @@ def main() -> None:
             print("pgbadger: not installed (apt-get install pgbadger) - jobrun alone")
         for run in range(args.runs):
             for name, argv in tools.items():
-                wall, cpu, rss, stdout = in_child(argv)
+                wall, cpu, rss, stdout = in_child(argv, trees.get(name))
                 found = ""
-                if name == "jobrun deadlocks":
+                if name.startswith("jobrun"):
                     found = f", {len(json.loads(stdout)['deadlocks'])} deadlocks found"
                 elif (work / "out.txt").exists():
                     text = (work / "out.txt").read_text(errors="replace")
                     found = f", report {len(text) // 1024} KiB"
                 figures = f"wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak {rss:5d} MiB"
-                print(f"run {run + 1} {name:17} {figures}{found}")
+                print(f"run {run + 1} {name:17} {figures}{found}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,8 +13,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from jobrun.deadlocks import envelopes, records
+from jobrun.deadlocks.language import SEVERITY_WORDS, TRANSLATED_WORDS, has_deadlock_wording
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import PREFIX_WINDOW, Layout, PrefixChooser, prefix_pattern
+from jobrun.deadlocks.prefix import (
+    PREFIX_WINDOW,
+    Layout,
+    PrefixChooser,
+    prefix_fields,
+    prefix_pattern,
+    split_line,
+)
 from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
@@ -35,6 +43,19 @@ SNIFF_RECORDS = 1000
 _ARRAY = re.compile(r"\[\s*(?:\{|\Z)")
 #: A DETAIL line of a deadlock pasted with no indentation at all.
 _BARE_PROCESS = re.compile(r"Process \d+(?: waits for |:)")
+#: syslog's numbering of a message's later lines (``[5-2]``), seen without its envelope.
+_SYSLOG_MORE = re.compile(r"\[\d+-(?:[2-9]|\d\d+)\] ?(?:#011)?")
+#: A physical line at least this long may have been wrapped by a terminal or a ticket.
+_WRAPPED = 40
+#: Terminal widths: a line wrapped at one was cut inside a word (joined with nothing).
+_WIDTHS = frozenset({80, 100, 120, 132, 160, 200})
+#: Marks, in a field's continuation lines, the rest of a wrapped line: joined to the line
+#: before it, not after a newline (a noncharacter, which no server writes).
+_GLUED = "\U0010fffe"
+#: The start of a line of its own (a date, a syslog time): never the rest of a wrapped one.
+_NEW = re.compile(r"\d{4}-\d\d-\d\d|[A-Z][a-z]{2} [ \d]\d \d\d:")
+#: What the report names as the prefix of a log read line by line, with no one layout.
+FOUND_PER_LINE = "(found per line)"
 _T = TypeVar("_T", str, "Line")
 _NOT_A_LOG = (
     "nothing in it looks like a PostgreSQL server log (stderr, csvlog, jsonlog, syslog, "
@@ -55,6 +76,8 @@ class Reading:
     reindented: int = 0
     #: Messages (or csvlog records) that went past LINE_LIMIT: the text past it dropped.
     cut: int = 0
+    #: The first line not read as part of an entry that holds a deadlock's wording.
+    wording_line: int | None = None
 
     def count_cut(self) -> None:
         """One more message cut."""
@@ -121,30 +144,69 @@ def _json(
 def _stderr(
     fmt: str, lines: Iterator[Line], source: str, prefix: str | None, *, pid_known: bool
 ) -> Reading:
-    """Entries of a stderr log, the prefix given or chosen from the first lines."""
+    """Entries of a stderr log, the prefix given, chosen from the common ones, or found per line.
+
+    Without ``--log-line-prefix``, a common layout that reads (nearly) every line a
+    severity is found in is used, and the lines it misses are read line by line (a
+    server reconfigured half-way); otherwise every line is.
+    """
     sniffed = _head(lines, SNIFF_LINES)
+    layout: Layout | None
+    per_line = prefix is None
+    translated = not per_line  # a given prefix reads every language's severity words
     if prefix is not None:
-        layout: Layout | None = Layout(prefix, prefix_pattern(prefix))
+        layout = Layout(prefix, prefix_pattern(prefix, SEVERITY_WORDS))
     else:
-        chooser = PrefixChooser(pid_known=pid_known)
-        chooser.add(text for _, text, _, _ in sniffed)
-        layout, tied = chooser.best()
-        # A quiet server's log can open with thousands of checkpoint lines, which every
-        # layout with %q reads alike: read on until a session's line tells them apart.
-        while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
-            more = _head(lines, len(sniffed))
-            if not more:
-                break
-            sniffed += more
-            chooser.add(text for _, text, _, _ in more)
-            layout, tied = chooser.best()
-    if layout is None:
-        return Reading(None, why=_NOT_A_LOG)
-    reading = Reading(fmt, prefix=layout.prefix)
+        layout, found, translated = _choose(sniffed, lines, pid_known=pid_known)
+        if layout is None and not found:
+            return Reading(None, why=_NOT_A_LOG)
+    reading = Reading(fmt, prefix=layout.prefix if layout is not None else FOUND_PER_LINE)
     reading.entries = _stderr_entries(
-        itertools.chain(sniffed, lines), source, layout.pattern, reading
+        itertools.chain(sniffed, lines),
+        source,
+        layout.pattern if layout is not None else None,
+        reading,
+        per_line=per_line,
+        translated=translated,
     )
     return reading
+
+
+def _choose(
+    sniffed: list[Line], lines: Iterator[Line], *, pid_known: bool
+) -> tuple[Layout | None, int, bool]:
+    """The layout to read with (None: per line), lines with a severity, other languages read.
+
+    The last: whether the layout reads severity words of another language than English.
+    """
+    # WARNING: the words of another language are added to the layouts only when seen: each
+    # one is tried at every line, and after a lazy %a at every character of it.
+    words: set[str] = set()
+    for _, text, _, _ in sniffed:
+        split = split_line(text.rstrip())
+        if split is not None:
+            word = text[split[0] : text.index(":", split[0])].strip()
+            if word in TRANSLATED_WORDS:
+                words.add(word)
+    chooser = PrefixChooser(pid_known=pid_known, words=words)
+    chooser.add(text for _, text, _, _ in sniffed)
+    layout, tied = chooser.best()
+    # A quiet server's log can open with thousands of checkpoint lines, which every
+    # layout with %q reads alike: read on until a session's line tells them apart.
+    while tied and len(sniffed) < MAX_SNIFF_LINES and _chars(sniffed) < SNIFF_CHARS:
+        more = _head(lines, len(sniffed))
+        if not more:
+            break
+        sniffed += more
+        chooser.add(text for _, text, _, _ in more)
+        layout, tied = chooser.best()
+    found = sum(1 for _, text, _, _ in sniffed if split_line(text.rstrip()) is not None)
+    if layout is None:
+        return None, found, False
+    hits = sum(
+        1 for _, text, _, _ in sniffed if layout.pattern.match(text.rstrip(), 0, PREFIX_WINDOW)
+    )
+    return (layout if hits * 10 >= found * 9 else None), found, bool(words)
 
 
 def _head(lines: Iterator[_T], count: int) -> list[_T]:
@@ -167,8 +229,14 @@ def _chars(lines: list[_T]) -> int:
     return sum(map(_size, lines))
 
 
-def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case a few lines
-    lines: Iterable[Line], source: str, pattern: re.Pattern[str], reading: Reading
+def _stderr_entries(  # noqa: C901, PLR0912, PLR0915 - one pass over the lines, each case a few lines
+    lines: Iterable[Line],
+    source: str,
+    pattern: re.Pattern[str] | None,
+    reading: Reading,
+    *,
+    per_line: bool = True,
+    translated: bool = False,
 ) -> Iterator[Entry]:
     """Entries of a stderr log.
 
@@ -176,42 +244,110 @@ def _stderr_entries(  # noqa: C901, PLR0912 - one pass over the lines, each case
     CONTEXT, STATEMENT... lines of the same process right after it. A log copied through a
     terminal, a ticket or a chat has its tabs turned into spaces: a line that starts with
     spaces and has no prefix continues the entry too, less the indentation of its first
-    such line.
+    such line; a line wrapped at the terminal's width is joined again. Trailing blanks
+    are dropped. ``pattern`` (a layout) reads a line first; else, or when it misses and
+    ``per_line``, the prefix is found in the line itself. ``translated``: the layout reads
+    severity words of other languages, to be put into English.
     """
     current: Entry | None = None
     last_key: str | None = None
     indent: int | None = None
     more: list[str] = []  # continuation lines of the field being read, joined at its end
     room = 0  # characters that field may still grow by
+    previous = ""  # the previous physical line
+    dangling: str | None = None  # a line that starts like one but holds no severity
     for number, raw, envelope_pid, envelope_time in lines:
-        line = raw.rstrip("\r\n")
-        if current is not None and line.startswith("\t"):
+        line = raw.rstrip(" \t\r\n")  # blanks a re-save or a paste left at the end
+        before, previous = previous, raw  # the line before, as written
+        if current is not None and raw.startswith("\t"):  # a tab, then maybe only blanks
             room = _more(more, line[1:], room, reading)
+            dangling = None
             continue
-        match = pattern.match(line, 0, PREFIX_WINDOW)  # the message runs on past it
-        if match is None:
-            if current is None:
-                continue  # output of a crashed extension, a pg_ctl message...
-            spaces = len(line) - len(line.lstrip(" "))
-            if spaces and line.strip():
-                indent = spaces if indent is None else indent
-                reading.reindented += 1
-                room = _more(more, line[min(indent, spaces) :], room, reading)
-            elif last_key == "detail" and _BARE_PROCESS.match(line):
-                reading.reindented += 1
-                room = _more(more, line, room, reading)
-            continue
-        groups = match.groupdict()
-        if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
-            groups["message"] = line[match.start("message") :]
-        pid = int(groups["pid"]) if groups.get("pid") else envelope_pid
-        if groups.get("session") and not groups.get("pid"):
+        match = pattern.match(line, 0, PREFIX_WINDOW) if pattern is not None else None
+        split: tuple[int, int, str] | None = None
+        unsplit = True  # split_line not tried on this line yet
+        if dangling is not None:
+            if match is None and per_line:
+                # A prefix that a wrap parted from its severity: the two lines are one.
+                written = before.rstrip("\r\n")
+                glue = "" if len(written) in _WIDTHS or written != dangling else " "
+                joined = written + glue + line
+                split, unsplit = split_line(line), False
+                if split is None or split[0] == 0:
+                    together = split_line(joined)
+                    if together is not None:
+                        line, split = joined, together
+                        if pattern is not None:
+                            match = pattern.match(line, 0, PREFIX_WINDOW)
+            dangling = None
+        if match is not None:
+            groups = match.groupdict()
+            if len(line) >= PREFIX_WINDOW:  # the match stopped there: the message goes on
+                groups["message"] = line[match.start("message") :]
+            severity = groups["severity"]
+            if translated:  # tested here: a call per line costs a log of millions
+                severity = SEVERITY_WORDS.get(severity, severity)
+        else:
+            if unsplit:
+                split = split_line(line) if per_line and line else None
+            if split is None:
+                if per_line and _NEW.match(line):
+                    dangling = line
+                    if reading.wording_line is None and has_deadlock_wording(line):
+                        reading.wording_line = number
+                    continue
+                if current is None or envelope_pid not in {None, current.pid}:
+                    # Another process's line (syslog carries the pid): never a continuation.
+                    if line and reading.wording_line is None and has_deadlock_wording(line):
+                        reading.wording_line = number
+                    continue  # output of a crashed extension, a pg_ctl message...
+                spaces = len(line) - len(line.lstrip(" "))
+                numbered = _SYSLOG_MORE.match(line)
+                # The line before as written, and the blanks it ended in: a terminal may cut
+                # just after one; a ticket may keep the one it broke the line at.
+                written = before.rstrip("\r\n")
+                length = len(written)
+                tail = written[len(written.rstrip()) :]
+                # Cut at a terminal's width: the rest starts with a space at most, or with
+                # other spaces than the re-indented lines around it.
+                cut = length in _WIDTHS and (
+                    spaces <= 1 or (indent is not None and spaces != indent)
+                )
+                if numbered is not None:
+                    room = _more(more, line[numbered.end() :], room, reading)
+                elif last_key == "detail" and _BARE_PROCESS.match(line):
+                    reading.reindented += 1
+                    room = _more(more, line, room, reading)
+                elif cut or (length >= _WRAPPED and line and not spaces and not _NEW.match(line)):
+                    # The rest of a line a terminal or a ticket wrapped: joined again, with
+                    # nothing where the terminal cut, a space where the ticket broke a line.
+                    glue = tail if cut or tail else " "
+                    room = _more(more, _GLUED + glue + line, room, reading)
+                    if cut:  # the next piece is cut at the same width
+                        previous = before
+                elif spaces and line.strip():
+                    indent = spaces if indent is None else indent
+                    reading.reindented += 1
+                    room = _more(more, line[min(indent, spaces) :], room, reading)
+                elif line and reading.wording_line is None and has_deadlock_wording(line):
+                    reading.wording_line = number
+                continue
+            groups = prefix_fields(line[: split[0]])
+            groups["message"] = line[split[1] :]
+            severity = split[2]
+        found = groups.get("pid")
+        pid: int | None
+        if found:
+            pid = int(found)
+        elif groups.get("session"):
             pid = int(str(groups["session"]).split(".")[1], 16)  # %c is <start>.<pid>, in hex
-        severity = groups["severity"]
+        else:
+            pid = envelope_pid
         if (
             severity in {"DETAIL", "HINT", "QUERY", "CONTEXT", "LOCATION", "STATEMENT"}
             and current is not None
             and current.pid == pid
+            and severity.lower() not in current.extra
         ):
             if more:  # tested here: a call per entry costs a log of millions
                 _join(current, last_key, more)
@@ -257,8 +393,14 @@ def _join(entry: Entry, key: str | None, more: list[str]) -> None:
     """The field's continuation lines added to it, in one join (adding each is quadratic)."""
     if not more:
         return
+    base = entry.message if key is None else entry.extra[key]
+    text = "\n".join([base, *more])
+    if _GLUED in text:  # the rest of a wrapped line goes on its line, not on one of its own
+        text = text.replace("\n" + _GLUED, "")
+        if not base and more[0].startswith(_GLUED):
+            text = text.lstrip(" \t")
     if key is None:
-        entry.message = "\n".join([entry.message, *more])
+        entry.message = text
     else:
-        entry.extra[key] = "\n".join([entry.extra[key], *more])
+        entry.extra[key] = text
     more.clear()

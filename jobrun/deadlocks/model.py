@@ -47,6 +47,8 @@ class Side:
     #: Where the application name came from: "this line", "line N" (another line of that
     #: pid), or None when the log never names it.
     named_by: str | None = None
+    #: The CONTEXT of this side's lock wait (log_lock_waits), which names the relation.
+    context: str | None = None
 
     @property
     def job(self) -> str | None:
@@ -75,6 +77,8 @@ class Deadlock:
     statement: str | None = None
     #: Other files where the same deadlock was logged (the csvlog and jsonlog of one server).
     also_in: list[str] = field(default_factory=list)
+    #: Whether a DETAIL showed its cycle (else the sides come from lock waits, or are unknown).
+    detailed: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """The deadlock for ``--json``."""
@@ -110,6 +114,8 @@ class FileRead:
     lines_cut: int = 0
     #: Why the file was not read to its end (a decompression bomb...), or None.
     stopped: str | None = None
+    #: The line of a deadlock's wording in a file from which no deadlock could be read.
+    deadlock_unread: int | None = None
     error: str | None = None
     #: The exit status this file alone calls for: 0, 65 (not understood, or read in part),
     #: 66 (unreadable).
@@ -118,7 +124,12 @@ class FileRead:
     @property
     def partial(self) -> bool:
         """Read as a server log, entries and all, but not all of it (cut or stopped)."""
-        return self.error is not None and bool(self.format) and self.entries > 0
+        return (
+            self.error is not None
+            and bool(self.format)
+            and self.entries > 0
+            and self.deadlock_unread is None
+        )
 
     def as_json(self) -> dict[str, Any]:
         """The file for ``--json``."""
@@ -132,6 +143,7 @@ class FileRead:
             "reindented_lines": self.reindented,
             "lines_cut": self.lines_cut,
             "stopped": self.stopped,
+            "deadlock_unread": self.deadlock_unread,
             "error": self.error,
         }
 

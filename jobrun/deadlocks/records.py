@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import csv
-import re
 from typing import TYPE_CHECKING, Any
 
+from jobrun.deadlocks.language import SEVERITY_WORDS
 from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import SEVERITIES
 from jobrun.deadlocks.sources import LINE_LIMIT
 
 if TYPE_CHECKING:
@@ -74,7 +73,8 @@ def looks_like_csv(line: str) -> bool:
     except (csv.Error, StopIteration):
         return False
     # A first line may be cut by a quoted newline: the leading columns are enough.
-    return len(row) >= 12 and row[3].isdigit() and bool(re.fullmatch(SEVERITIES, row[11]))  # noqa: PLR2004
+    # csvlog writes the severity in the server's language.
+    return len(row) >= 12 and row[3].isdigit() and row[11] in SEVERITY_WORDS  # noqa: PLR2004
 
 
 def csv_entries(
@@ -106,7 +106,7 @@ def csv_entries(
         entry = Entry(
             source=source,
             line=start,
-            severity=row[11],
+            severity=_english(row[11]),
             message=row[13] if len(row) > 13 else "",  # noqa: PLR2004
             pid=int(row[3]),
             app=column("app"),
@@ -152,7 +152,7 @@ def json_entries(records: Iterable[tuple[int, dict[str, Any]]], source: str) -> 
         entry = Entry(
             source=source,
             line=number,
-            severity=str(body.get(fields["severity"])),
+            severity=_english(str(body.get(fields["severity"]))),
             message=str(body.get(fields["message"]) or ""),
             pid=int(pid)
             if isinstance(pid, int) or (isinstance(pid, str) and pid.isdigit())
@@ -168,6 +168,11 @@ def json_entries(records: Iterable[tuple[int, dict[str, Any]]], source: str) -> 
             if value is not None:
                 entry.extra[key] = value
         yield entry
+
+
+def _english(severity: str) -> str:
+    """The severity in English (csvlog writes it in the server's language)."""
+    return SEVERITY_WORDS.get(severity, severity)
 
 
 def _text(value: object) -> str | None:

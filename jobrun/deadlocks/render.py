@@ -102,8 +102,11 @@ def report(found: Found, there: together.Together | None = None) -> str:
     out.append("files read:")
     out.extend(f"  {_file(read)}" for read in found.files)
     partial = sum(1 for read in found.unread if read.partial)
-    unread = f", {len(found.unread) - partial} not read" if len(found.unread) > partial else ""
+    missed = sum(1 for read in found.unread if read.deadlock_unread is not None)
+    others = len(found.unread) - partial - missed
+    unread = f", {others} not read" if others else ""
     unread += f", {partial} read in part" if partial else ""
+    unread += f", {missed} with a deadlock not read" if missed else ""
     out.append(f"{len(found.deadlocks)} deadlock(s) in {len(found.files)} file(s){unread}")
     out.extend(f"  {count} x {pair}" for pair, count in _pairs(found.deadlocks).items())
     if there is not None:
@@ -120,9 +123,17 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
         victim = " [aborted by PostgreSQL]" if side.pid == deadlock.victim else ""
         out.append(f"  {describe(side)}{victim}")
         if side.waits_for:
-            out.append(f"    waits for {side.waits_for}, held by process {side.blocked_by}")
+            held = f"process {side.blocked_by}" if side.blocked_by is not None else "(not logged)"
+            out.append(f"    waits for {side.waits_for}, held by {held}")
+        else:
+            out.append(
+                "    waits for: not in the log (the DETAIL does not show it, and no lock wait "
+                "of this pid was logged before it: log_lock_waits = on)"
+            )
         if side.statement:
             out.append(f"    running: {' '.join(side.statement.split())}")
+        if side.context and side.context != deadlock.context:
+            out.append(f"    context: {' '.join(side.context.split())}")
     if deadlock.context:
         out.append(f"  context: {' '.join(deadlock.context.split())}")
     suggestion = suggest(deadlock)
@@ -138,7 +149,7 @@ def _deadlock(deadlock: Deadlock) -> list[str]:
 
 def _file(read: FileRead) -> str:
     """One line per file: what it was read as and what it held, or why it was not read."""
-    if read.error is not None and not read.partial:
+    if read.error is not None and not read.partial and read.deadlock_unread is None:
         return _printable(f"{read.source}: not read: {read.error.removeprefix(read.source + ': ')}")
     layout = f", prefix {read.prefix!r}" if read.prefix is not None else ""
     text = f"{read.source}: {read.format}{layout}, {read.entries} entries"
@@ -151,7 +162,8 @@ def _file(read: FileRead) -> str:
             "tab: the log looks re-indented (copied through a terminal, a ticket or a chat)"
         )
     if read.error is not None:
-        text += f"; read in part: {read.error.removeprefix(read.source + ': ')}"
+        label = "deadlock not read" if read.deadlock_unread is not None else "read in part"
+        text += f"; {label}: {read.error.removeprefix(read.source + ': ')}"
     return _printable(text)
 
 
