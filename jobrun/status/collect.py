@@ -252,7 +252,7 @@ def _read_apart(
     params = {"all": not labels, "keys": list(labels)}
     reads = _Reads()
     try:
-        reads.history = read_rows(conn, sql.STATUS_HISTORY, params)
+        reads.history = _history_rows(conn, params)
     except errors.UndefinedTable:
         notes.append("no run history yet (the jobrun.runs table does not exist)")
     except errors.InsufficientPrivilege as exc:
@@ -278,6 +278,18 @@ def _read_apart(
         with contextlib.suppress(errors.UndefinedTable, errors.InsufficientPrivilege):
             [reads.abandoned] = _read_groups(conn, [_ALL_READS[-1]], params)
     return reads
+
+
+def _history_rows(conn: Connection, params: dict[str, Any]) -> list[Row]:
+    """Each key's state: from the summary, or from the runs where there is none yet.
+
+    A schema of an older version has no jobrun.run_keys until a run of the tables' owner
+    (or ``jobrun init``) upgrades it: ``status`` reads the runs meanwhile.
+    """
+    try:
+        return read_rows(conn, sql.STATUS_HISTORY, params)
+    except errors.UndefinedTable:
+        return read_rows(conn, status_sql.STATUS_HISTORY_RUNS, params)
 
 
 def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
