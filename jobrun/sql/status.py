@@ -74,7 +74,7 @@ ORDER BY 1
 """
 STATUS_HISTORY = (
     "WITH complete AS (SELECT pg_catalog.obj_description("
-    "'jobrun.run_keys'::pg_catalog.regclass, 'pg_class') IS NOT DISTINCT FROM "
+    "pg_catalog.to_regclass('jobrun.run_keys'), 'pg_class') IS NOT DISTINCT FROM "
     f"'{SUMMARY_COMPLETE}' AS complete)" + STATUS_HISTORY
 )
 
