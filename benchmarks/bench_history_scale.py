@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -53,7 +54,7 @@ SELECT gen_random_uuid(), k.key, ARRAY[k.lock_id], 'session', 'host-' || (j %% 3
        CASE WHEN j %% 4 = 3 THEN 75 WHEN j %% 17 = 0 THEN 1 ELSE 0 END, NULL, t.took,
        CASE WHEN j %% 4 = 3 OR j %% 17 = 0 THEN 1 ELSE 0 END,
        CASE WHEN j %% 4 = 3 OR j %% 17 = 0 THEN t.at END,
-       CASE WHEN j %% 4 = 3 THEN 'run-' || k.n || '-' || (j - 1) END,
+       CASE WHEN j %% 4 = 3 THEN 'run-' || p.n || '-' || (j - 1) END,
        CASE WHEN j %% 4 = 3 THEN jsonb_build_object('holder_host', 'host-' || ((j - 1) %% 3),
                                                   'holder_pid', 1000 + (j - 1) %% 30000) END,
        NULL, 0
@@ -138,16 +139,15 @@ def bench_size(args: argparse.Namespace, rows: int, notes: list[str]) -> dict[st
             notes.append(f"{rows:,} rows: filled in {time.monotonic() - start:.0f} s")
         if has_summary:
             start = time.monotonic()
-            upgraded = subprocess.run(  # noqa: S603 - our own interpreter and module
+            upgraded = subprocess.run(
                 [args.python, "-m", "jobrun.history.upgrade", owner_dsn],
                 capture_output=True,
                 text=True,
                 check=True,
+                cwd=tempfile.gettempdir(),
             )
             steps = " ".join(line for line in upgraded.stdout.splitlines() if ": " in line)
-            notes.append(
-                f"{rows:,} rows: upgrade took {time.monotonic() - start:.0f} s ({steps})"
-            )
+            notes.append(f"{rows:,} rows: upgrade took {time.monotonic() - start:.0f} s ({steps})")
         db.execute("VACUUM ANALYZE jobrun.runs")
         size = db.execute("SELECT pg_size_pretty(pg_total_relation_size('jobrun.runs'))")
         notes.append(f"{rows:,} rows: jobrun.runs and its indexes take {size.fetchone()[0]}")
@@ -197,8 +197,11 @@ def measure(
         holder = None
         if label == "a skip":  # the key is held by a session of our own: every try skips
             holder = psycopg.connect(args.dsn + f" dbname={db.info.dbname}", autocommit=True)
-            holder.execute("SELECT pg_advisory_lock(('x' || left(encode(sha256(convert_to("
-                           "%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint)", (KEY,))
+            holder.execute(
+                "SELECT pg_advisory_lock(('x' || left(encode(sha256(convert_to("
+                "%s, 'UTF8')), 'hex'), 16))::bit(64)::bigint)",
+                (KEY,),
+            )
         before = active_time(db)
         start = time.monotonic()
         done = jobrun(args, dsn, *command, check=False)
@@ -230,8 +233,13 @@ def jobrun(
 ) -> subprocess.CompletedProcess[str]:
     """One jobrun command of the jobrun under test."""
     env = {**os.environ, "JOBRUN_DSN": dsn}
-    done = subprocess.run(  # noqa: S603 - the interpreter given, jobrun's own arguments
-        [args.python, "-m", "jobrun", *argv], capture_output=True, text=True, env=env, check=False
+    done = subprocess.run(
+        [args.python, "-m", "jobrun", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        cwd=tempfile.gettempdir(),  # not a checkout: the jobrun of --python's environment
     )
     if check and done.returncode != 0:
         raise SystemExit(f"jobrun {' '.join(argv)}: exit {done.returncode}: {done.stderr}")

@@ -96,7 +96,9 @@ def _read(node: Mapping[str, Any]) -> int:
     if node.get("Relation Name") == "runs" and node.get("Node Type") != "ModifyTable":
         loops = node.get("Actual Loops", 1)
         found += loops * node.get("Actual Rows", 0)
-        found += node.get("Rows Removed by Filter", 0) + node.get("Rows Removed by Index Recheck", 0)
+        found += node.get("Rows Removed by Filter", 0) + node.get(
+            "Rows Removed by Index Recheck", 0
+        )
     return found + sum(_read(child) for child in node.get("Plans", ()))
 
 
@@ -132,7 +134,7 @@ class TestRunPath:
             "skip": rows_read(big, sql.RUNS_SKIP, skip),
             "prune, nothing to delete": rows_read(big, sql.RUNS_PRUNE, _params(keep=100_000)),
         }
-        assert all(count <= 25 for count in read.values()), read  # noqa: PLR2004
+        assert all(count <= 25 for count in read.values()), read
 
     def test_prune_deletes_a_batch_per_run_and_catches_up(self, big):
         """--keep lowered under 6,000 rows: each prune deletes a batch; the next ones the rest."""
@@ -173,7 +175,9 @@ def _status(conn: Connection, statement: str) -> list[dict[str, Any]]:
 
 
 def _rounded(row: dict[str, Any]) -> dict[str, Any]:
-    return {name: round(value, 6) if isinstance(value, float) else value for name, value in row.items()}
+    return {
+        name: round(value, 6) if isinstance(value, float) else value for name, value in row.items()
+    }
 
 
 class TestSummary:
@@ -186,7 +190,10 @@ class TestSummary:
         recorder.finished("failed", 1, None, 2.5)
         skipper = make_recorder(target_dsn=big.info.dsn, host="host-z")
         skipper.skipped("locked", {"holder_run_id": str(uuid.uuid4())}, 75)
-        big.execute("UPDATE jobrun.runs SET outcome = 'abandoned' WHERE key = 'small-b' AND outcome = 'succeeded'")
+        big.execute(
+            "UPDATE jobrun.runs SET outcome = 'abandoned' "
+            "WHERE key = 'small-b' AND outcome = 'succeeded'"
+        )
         big.execute(
             "DELETE FROM jobrun.runs WHERE run_id IN (SELECT run_id FROM jobrun.runs "
             "WHERE key = 'small-a' ORDER BY started_at DESC LIMIT 5)"
@@ -249,15 +256,17 @@ class TestTenants:
                 "EXPLAIN (ANALYZE, FORMAT JSON) SELECT count(*) FROM jobrun.runs"
             ).fetchone()
         (scan,) = _scans_of(plan[0]["Plan"], "runs")
-        assert scan["Actual Rows"] == 3000, scan  # noqa: PLR2004
+        assert scan["Actual Rows"] == 3000, scan
         # A key of its own is matched against the grants' patterns, an InitPlan's (read
         # once per statement): no function is called per row.
         assert "~~ ANY ($0)" in scan["Filter"], scan
 
     def test_granted_status_sees_its_keys_only(self, teams):
-        """status as team_a from the summary: a-* keys, never b-*."""
+        """The summary as team_a sees it, and its status: a-* keys, never b-*."""
         assert jobrun_cli.run("--key", "a-one", "--", "true", dsn=teams.a).returncode == 0
         assert jobrun_cli.run("--key", "b-one", "--", "true", dsn=teams.b).returncode == 0
+        with psycopg.connect(teams.a, autocommit=True) as conn:
+            assert conn.execute("SELECT key FROM jobrun.run_keys").fetchall() == [("a-one",)]
         shown = jobrun_cli.run("status", "--json", dsn=teams.a)
         assert shown.returncode == 0, shown.stderr
         assert [row["key"] for row in json.loads(shown.stdout)] == ["a-one"]

@@ -54,7 +54,7 @@ SELECT pg_catalog.count(jobrun.run_keys_refresh(m.key, 0, 0)) FROM (
     WHERE NOT EXISTS (SELECT 1 FROM jobrun.run_keys AS s WHERE s.key = k.key)
     LIMIT {BACKFILL_KEYS}
 ) AS m
-"""
+"""  # noqa: S608 - constants only
 
 
 def upgrade(conn: Connection, say: Callable[[str], None] = print) -> dict[str, float]:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     with psycopg.connect(dsn, autocommit=True, application_name="jobrun:upgrade") as conn:
         took = upgrade(conn)
     for step, seconds in took.items():
-        print(f"{step}: {seconds:.1f} s")
+        sys.stdout.write(f"{step}: {seconds:.1f} s\n")
     return 0
 
 

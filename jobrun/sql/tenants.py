@@ -170,17 +170,30 @@ $$;
 """
 
 
+def _allowed(right: str) -> str:
+    """The policies' check that the role may use a row's key with ``right``.
+
+    A key of its own (no comma): one LIKE against the grants' patterns (``patterns``: an
+    InitPlan, read once per statement), no function call per row; a label of several keys:
+    ``fits``.
+    """
+    patterns = f"(SELECT jobrun.patterns('{right}'))"
+    return (
+        f"CASE WHEN key {_EQ} '' THEN false"
+        f" WHEN pg_catalog.strpos(key, ',') {_EQ} 0"
+        f" THEN key {_LIKE} ANY ({patterns}::pg_catalog.text[])"
+        f" ELSE jobrun.fits(key, {patterns}) END"
+    )
+
+
 #: The summary of the history (jobrun.run_keys, written only by its triggers): its rows are
 #: read by who may read the runs of their key.
-SUMMARY_POLICIES = """
+SUMMARY_POLICIES = f"""
 DROP POLICY IF EXISTS readable ON jobrun.run_keys;
 DROP POLICY IF EXISTS tenant_select ON jobrun.run_keys;
 CREATE POLICY tenant_select ON jobrun.run_keys FOR SELECT
     USING ((SELECT pg_catalog.has_any_column_privilege('jobrun.runs', 'SELECT'))
-           AND CASE WHEN key OPERATOR(pg_catalog.=) '' THEN false
-                    WHEN pg_catalog.strpos(key, ',') OPERATOR(pg_catalog.=) 0
-                    THEN key OPERATOR(pg_catalog.~~) ANY ((SELECT jobrun.patterns('read'))::pg_catalog.text[])
-                    ELSE jobrun.fits(key, (SELECT jobrun.patterns('read'))) END);
+           AND {_allowed("read")});
 """
 
 
@@ -194,31 +207,22 @@ def _policies(
     cannot write a row of its own key that names another key's lock); deleting the
     ``delete`` right. ``stamp``: a trigger writes who asked (``session_user``) into the row.
     """
-    # A key of its own (no comma): one LIKE against the patterns, no function call per row.
-    allowed = (
-        f"CASE WHEN key {_EQ} '' THEN false"
-        f" WHEN pg_catalog.strpos(key, ',') {_EQ} 0"
-        f" THEN key {_LIKE} ANY ((SELECT jobrun.patterns('{{right}}'))::pg_catalog.text[])"
-        " ELSE jobrun.fits(key, (SELECT jobrun.patterns('{right}'))) END"
-    )
-    check = allowed.format(right=write) + (f" AND jobrun.ids_fit(key, {fit})" if fit else "")
+    check = _allowed(write) + (f" AND jobrun.ids_fit(key, {fit})" if fit else "")
     on = f"ON jobrun.{table}"
     lines = [f"ALTER TABLE jobrun.{table} ENABLE ROW LEVEL SECURITY;"]
     lines += [
         f"DROP POLICY IF EXISTS tenant_{c} {on};" for c in ("select", "insert", "update", "delete")
     ]
     lines += [
-        f"CREATE POLICY tenant_select {on} FOR SELECT USING ({allowed.format(right='read')});",
+        f"CREATE POLICY tenant_select {on} FOR SELECT USING ({_allowed('read')});",
         f"CREATE POLICY tenant_insert {on} FOR INSERT WITH CHECK ({check});",
     ]
     if update:
         lines.append(
-            f"CREATE POLICY tenant_update {on} FOR UPDATE USING ({allowed.format(right=write)})"
+            f"CREATE POLICY tenant_update {on} FOR UPDATE USING ({_allowed(write)})"
             f" WITH CHECK ({check});"
         )
-    lines.append(
-        f"CREATE POLICY tenant_delete {on} FOR DELETE USING ({allowed.format(right=delete)});"
-    )
+    lines.append(f"CREATE POLICY tenant_delete {on} FOR DELETE USING ({_allowed(delete)});")
     if stamp:
         trigger = "stamp_requester BEFORE INSERT OR UPDATE"
         stamp_it = "FOR EACH ROW EXECUTE FUNCTION jobrun.stamp_requester()"
