@@ -21,6 +21,7 @@ from jobrun.history.calls import ensure_schema
 from jobrun.history.upgrade import upgrade
 from jobrun.sql import history as history_sql
 from jobrun.sql import status as status_sql
+from jobrun.status.collect import _slot_ids, collect
 from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
@@ -213,6 +214,19 @@ class TestSummary:
         big.execute("DELETE FROM jobrun.run_keys WHERE key = 'small-a'")
         big.execute("COMMENT ON TABLE jobrun.run_keys IS NULL")
         assert _status(big, sql.STATUS_HISTORY) == expected
+
+    def test_status_of_many_keys_hashes_no_slot_ids(self, big):
+        """Nothing held: status of 300 keys never works out a key's 256 slot lock ids."""
+        big.execute(
+            "INSERT INTO jobrun.runs (run_id, key, lock_ids, mode, host, pid, started_at, "
+            "finished_at, outcome) SELECT gen_random_uuid(), 'many-' || n, ARRAY[n::int8], "
+            "'session', 'h', 1, clock_timestamp(), clock_timestamp(), 'succeeded' "
+            "FROM generate_series(1, 300) AS n"
+        )
+        _slot_ids.cache_clear()
+        report = collect(big)
+        assert len(report.keys) == 303
+        assert _slot_ids.cache_info().currsize == 0
 
 
 class TestUpgrade:
