@@ -248,6 +248,28 @@ class TestUpgrade:
         assert rows_read(big, sql.STATUS_HISTORY, {"all": True, "keys": []}) == 0
         assert [f.status for f in history_scale(big)] == ["OK"]
 
+    def test_schema_message_leaves_a_large_tables_indexes_to_the_upgrade(self, big):
+        """Past INLINE_BUILD_BYTES the schema's message builds no index (it would block runs)."""
+        big.execute("DROP TABLE jobrun.run_keys CASCADE")
+        for name, _ in history_sql.RUNS_INDEXES:
+            big.execute(f"DROP INDEX jobrun.{name}")
+        rows = 200_000
+        with big.transaction():
+            big.execute("SET LOCAL session_replication_role = replica")  # an older version's
+            big.execute(FILL, {"key": "filler", "rows": rows})
+        size = big.execute("SELECT pg_relation_size('jobrun.runs')").fetchone()
+        assert size and size[0] > history_sql.INLINE_BUILD_BYTES
+        ensure_schema(big)
+        built = big.execute(
+            "SELECT count(*) FROM pg_class WHERE relname = ANY(%s)",
+            ([name for name, _ in history_sql.RUNS_INDEXES],),
+        ).fetchone()
+        assert built == (0,)
+        assert "summary" in history_scale(big)[0].detail
+        upgrade(big, lambda _: None)
+        assert [f.status for f in history_scale(big)] == ["OK"]
+        assert _status(big, sql.STATUS_HISTORY) == _status(big, status_sql.STATUS_HISTORY_RUNS)
+
     def test_doctor_names_a_missing_index(self, big):
         """jobrun doctor warns of an index the runs need, and says how to build it."""
         big.execute("DROP INDEX jobrun.runs_key_finished")
