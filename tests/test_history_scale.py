@@ -130,6 +130,8 @@ class TestRunPath:
         read = {
             "abandoned": rows_read(big, sql.RUNS_ABANDON, _params()),
             "once-per": rows_read(big, sql.RUNS_ALREADY_RAN, _params(window=86400.0)),
+            "running row": rows_read(big, sql.RUNS_ACQUIRED, _params(window=None)),
+            "running row, once-per": rows_read(big, sql.RUNS_ACQUIRED, _params(window=86400.0)),
             "recovered": rows_read(big, sql.RUNS_SKIPS_RECOVERED, _params()),
             "finish": rows_read(big, sql.RUNS_FINISH, finish),
             "skip": rows_read(big, sql.RUNS_SKIP, skip),

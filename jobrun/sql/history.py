@@ -365,15 +365,22 @@ RETURNING run_id, key, host, pid, started_at
 #: The run of this key that makes ours redundant under ``--once-per`` (window NULL: none): it
 #: started in the current window, aligned to the Unix epoch on the database's clock, and is
 #: running or succeeded.
+#: The window's start reaches the scan as a lateral parameter (an index condition on
+#: runs_key_ran: the newest such run, one index entry); without --once-per (window NULL)
+#: the statement is a constant false and reads nothing (as a NOT EXISTS in RUNS_ACQUIRED,
+#: a join on a NULL start made the planner scan every row of the table).
 _EARLIER = """
-SELECT run_id, host, pid, started_at, outcome, w.start AS window_start
-FROM jobrun.runs,
-     (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
+SELECT r.run_id, r.host, r.pid, r.started_at, r.outcome, w.start AS window_start
+FROM (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
                                 / %(window)s::float8) * %(window)s::float8) AS start) AS w
-WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
-  AND started_at >= w.start
-ORDER BY started_at DESC
-LIMIT 1
+CROSS JOIN LATERAL (
+    SELECT run_id, host, pid, started_at, outcome FROM jobrun.runs
+    WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
+      AND started_at >= w.start
+    ORDER BY started_at DESC
+    LIMIT 1
+) AS r
+WHERE %(window)s::float8 IS NOT NULL
 """
 RUNS_ALREADY_RAN = _EARLIER
 
