@@ -299,6 +299,17 @@ class TestTenants:
         # once per statement): no function is called per row.
         assert "~~ ANY ($0)" in scan["Filter"], scan
 
+    def test_no_tenant_may_set_a_summary(self, teams):
+        """The summary's counts decide the prune: a role may not refresh a key by hand."""
+        with psycopg.connect(teams.a, autocommit=True) as conn:
+            try:
+                conn.execute("SELECT jobrun.run_keys_refresh('b-one', 1000000, 0)")
+            except psycopg.Error as exc:
+                refused = exc.sqlstate
+            else:
+                refused = None
+        assert refused == "42501"
+
     def test_granted_status_sees_its_keys_only(self, teams):
         """The summary as team_a sees it, and its status: a-* keys, never b-*."""
         assert jobrun_cli.run("--key", "a-one", "--", "true", dsn=teams.a).returncode == 0

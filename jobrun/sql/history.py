@@ -114,6 +114,9 @@ GRANT SELECT ON jobrun.run_keys TO PUBLIC;
 #: ``run_keys_refresh(key, done, skips)``: bring the key's summary row up to date after a
 #: change of its rows (``done``, ``skips``: how many finished runs and skips it gained).
 #: A row it creates is counted in full (the upgrade's backfill, a key's first row).
+#: WARNING: SECURITY DEFINER, and the counts decide what the prune deletes: nobody but the
+#: owner (and the triggers, which run as the owner) may call it, or a tenant could inflate
+#: another team's counts and have its history pruned away.
 _REFRESH = f"""
 CREATE OR REPLACE FUNCTION jobrun.run_keys_refresh(k text, done bigint, skips bigint)
 RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $f$
@@ -176,6 +179,7 @@ BEGIN
   RETURN true;
 END
 $f$;
+REVOKE ALL ON FUNCTION jobrun.run_keys_refresh(text, bigint, bigint) FROM PUBLIC;
 """
 
 #: The triggers' function: one refresh per key a statement changed, in key order (two
