@@ -319,13 +319,17 @@ class TestUpgradeInPlace:
     """``jobrun init`` on a database initialised by an older jobrun replaces its functions."""
 
     def test_init_again_replaces_an_unqualified_policy_function(self, tenancy, tmp_path):
-        """An old ``allowed()`` with a bare LIKE, then ``jobrun init``: the hijack fails again."""
+        """An old ``patterns()`` with a bare ``=``, then ``jobrun init``: the hijack fails again.
+
+        (The policies look the grants up with ``patterns()``, once per statement.)
+        """
         with psycopg.connect(tenancy.owner, autocommit=True) as conn:
             conn.execute(
-                "CREATE OR REPLACE FUNCTION jobrun.allowed(label text, need text) "
-                "RETURNS boolean LANGUAGE sql STABLE AS $$ SELECT EXISTS ("
-                "SELECT 1 FROM jobrun.grants AS g WHERE label LIKE g.key_like "
-                "AND pg_catalog.pg_has_role(current_user, g.role, 'MEMBER')) $$"
+                "CREATE OR REPLACE FUNCTION jobrun.patterns(need text) "
+                "RETURNS text[] LANGUAGE sql STABLE AS $$ SELECT coalesce("
+                "pg_catalog.array_agg(g.key_like), '{}') FROM jobrun.grants AS g "
+                "JOIN pg_catalog.pg_roles AS r ON r.rolname = g.role "
+                "WHERE pg_catalog.pg_has_role(current_user, r.oid, 'MEMBER') $$"
             )
         proc = _victim(tenancy, "lease", tmp_path / "child")
         try:

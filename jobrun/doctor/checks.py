@@ -11,6 +11,7 @@ from jobrun.doctor.capacity import advisory, connections, schema
 from jobrun.doctor.defaults import READ_ONLY, end_immunity, immunise, session_defaults
 from jobrun.doctor.finding import UNKNOWN, Finding
 from jobrun.doctor.forensics import deadlock_logging
+from jobrun.doctor.history_scale import history_scale
 from jobrun.doctor.probe import probes
 from jobrun.doctor.server import (
     connection,
@@ -43,6 +44,7 @@ def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]
         ("schema", lambda: schema(conn, mode, read_only=defaults.get(READ_ONLY) == "on")),
         ("tenancy", lambda: tenancy(conn)),
         ("probes", lambda: probes(conn, mode)),
+        ("history", lambda: history_scale(conn)),
         ("pooler", lambda: [pooler(conn, target, mode)]),
         ("idle timeouts", lambda: idle_timeouts(conn)),
         ("tcp keepalives", lambda: [keepalives(conn, mode)]),

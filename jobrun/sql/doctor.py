@@ -153,3 +153,28 @@ SET outcome = 'succeeded', exit_code = 0, finished_at = pg_catalog.clock_timesta
 WHERE run_id OPERATOR(pg_catalog.=) %(run_id)s::pg_catalog.uuid
 RETURNING run_id
 """
+
+#: The history's size and shape: whether jobrun.runs exists, its size with its indexes, its
+#: estimated rows, whether the summary exists and is complete, and which of the history's
+#: indexes (RUNS_INDEXES' names) are missing or invalid.
+DOCTOR_HISTORY_SCALE = """
+SELECT c.oid IS NOT NULL,
+       CASE WHEN c.oid IS NOT NULL THEN pg_total_relation_size(c.oid) END,
+       greatest(c.reltuples, 0)::int8,
+       to_regclass('jobrun.run_keys') IS NOT NULL,
+       obj_description(to_regclass('jobrun.run_keys'), 'pg_class')
+           IS NOT DISTINCT FROM %(complete)s,
+       ARRAY(SELECT name FROM unnest(%(indexes)s::text[]) AS name
+             WHERE NOT EXISTS (SELECT 1 FROM pg_class AS x
+                               JOIN pg_namespace AS n ON n.oid = x.relnamespace
+                               JOIN pg_index AS i ON i.indexrelid = x.oid
+                               WHERE n.nspname = 'jobrun' AND x.relname = name
+                                 AND i.indisvalid))
+FROM (SELECT 1) AS one
+LEFT JOIN pg_class AS c ON c.oid = to_regclass('jobrun.runs')
+"""
+
+#: The keys of the summary this role sees, and the most rows one of them holds.
+DOCTOR_HISTORY_KEYS = """
+SELECT count(*), coalesce(max(finished_count + skip_count), 0) FROM jobrun.run_keys
+"""

@@ -10,6 +10,293 @@ from jobrun.sql.session import SEARCH_PATH
 # client: the server runs it as one implicit transaction (the settings made local by
 # RUNS_TIMEOUTS end with it). Literal percent signs must be doubled (client-side binding).
 
+#: The history's indexes beyond the table's first two, by name: each statement the history
+#: sends at a run's start and end, after a skip, and each read of ``status``, finds its rows
+#: through one of them, so that none reads more rows of a key than it needs (the newest
+#: one, the oldest few to prune), whatever the key's history holds. Partial: a row is in
+#: the indexes of its kind only (a finished run in 2 or 3, a skip in 2 or 3). Built with the
+#: table while it is small (RUNS_SCHEMA); on a table of an older version that is already
+#: large, ``CREATE INDEX CONCURRENTLY`` by the upgrade (jobrun/history/upgrade.py), which
+#: never holds runs up. Names and definitions are here only.
+RUNS_INDEXES: tuple[tuple[str, str], ...] = (
+    # The runs still going (status, abandoned runs).
+    ("runs_key_running", "(key) WHERE outcome = 'running'"),
+    # --once-per's window, the newest successes (status: typical duration, last success).
+    (
+        "runs_key_ran",
+        "(key, started_at DESC) WHERE outcome IN ('running', 'succeeded')",
+    ),
+    # The oldest finished runs (prune) and the newest run that was no skip (skip streak).
+    ("runs_key_not_skipped", "(key, started_at DESC) WHERE outcome <> 'skipped'"),
+    # The last finished run and the failure streak it carries (a run's end, status).
+    (
+        "runs_key_finished",
+        "(key, finished_at DESC NULLS LAST) WHERE outcome NOT IN ('running', 'skipped')",
+    ),
+    # The oldest skips (prune), the newest (status).
+    ("runs_key_skipped", "(key, started_at DESC) WHERE outcome = 'skipped'"),
+    # A host's skip chain behind one holder (a skip), a host's newest skip (prune).
+    (
+        "runs_key_host_skips",
+        "(key, host, holder_ref, started_at DESC) WHERE outcome = 'skipped'",
+    ),
+    # Skip streaks that alerted: the last alert of a chain (a skip), the streaks a run ends.
+    (
+        "runs_key_alerted",
+        "(key, holder_ref, alerted_at DESC) WHERE outcome = 'skipped' AND alerted_at IS NOT NULL",
+    ),
+)
+
+#: The table is built under the schema's lock, in the message that creates or upgrades it,
+#: only below this size: on a larger one a plain CREATE INDEX would hold every run's
+#: history up for seconds (it blocks writes); the upgrade builds those concurrently.
+INLINE_BUILD_BYTES = 32 * 1024 * 1024
+
+#: What ``jobrun.run_keys``' comment says once every key of the history has its row
+#: (``status`` reads the summary only then; before, the runs themselves).
+SUMMARY_COMPLETE = "jobrun: one row per key of jobrun.runs (complete)"
+
+#: One statement a history message's prune deletes at most this many rows of a key per
+#: kind (finished runs, skips): a history grown by a large --keep shrinks over the next
+#: runs after --keep is lowered, none of them slower than this batch.
+PRUNE_BATCH = 500
+
+#: The newest skips whose streaks the summary's skip streak is the largest of (it only
+#: grows along a chain: the largest is among the newest rows of each host's chain).
+_STREAK_WINDOW = 1000
+
+_INDEX_BUILDS = "\n".join(
+    f"    IF pg_catalog.to_regclass('jobrun.{name}') IS NULL THEN\n"
+    f"      CREATE INDEX {name} ON jobrun.runs {definition};\n"
+    "    END IF;"
+    for name, definition in RUNS_INDEXES
+)
+
+#: ``jobrun.run_keys``: one row per key label of the history, kept by triggers on
+#: jobrun.runs in the transaction that changed it (every writer: runs, skips, abandoned
+#: runs, pruning, ``jobrun forget``, an operator's own UPDATE), so that ``status`` reads a
+#: row per key instead of every run, and pruning knows how many rows a key has without
+#: counting them. ``finished_count``/``skip_count``: rows of the key that are finished runs
+#: (not running, not skipped) and skips, kept by delta. The rest is read back from the
+#: runs, through the indexes above, after the row is locked (a fresh snapshot: what the
+#: other writers of the key committed is seen): the last finished run, the last success,
+#: the newest 20 successful durations, the failure and skip streaks, the last skip.
+#: Read by whoever may read jobrun.runs (a policy; ``jobrun init`` narrows it to the keys
+#: granted); written only by the triggers' function (SECURITY DEFINER: the owner's, so a
+#: granted role's runs need no privilege on it).
+SUMMARY_TABLE = """
+CREATE TABLE jobrun.run_keys (
+    key              text PRIMARY KEY,
+    lock_ids         bigint[],
+    finished_count   bigint NOT NULL DEFAULT 0,
+    skip_count       bigint NOT NULL DEFAULT 0,
+    last_run_id      uuid,
+    outcome          text,
+    exit_code        integer,
+    started_at       timestamptz,
+    finished_at      timestamptz,
+    duration         double precision,
+    deadlocks        bigint,
+    last_success_at  timestamptz,
+    last_success_started_at timestamptz,
+    success_durations double precision[],
+    failure_streak   integer NOT NULL DEFAULT 0,
+    skip_streak      integer NOT NULL DEFAULT 0,
+    last_skip_at     timestamptz,
+    updated_at       timestamptz
+);
+ALTER TABLE jobrun.run_keys ENABLE ROW LEVEL SECURITY;
+CREATE POLICY readable ON jobrun.run_keys FOR SELECT
+    USING ((SELECT pg_catalog.has_any_column_privilege('jobrun.runs', 'SELECT')));
+GRANT SELECT ON jobrun.run_keys TO PUBLIC;
+"""
+
+#: ``run_keys_refresh(key, done, skips)``: bring the key's summary row up to date after a
+#: change of its rows (``done``, ``skips``: how many finished runs and skips it gained).
+#: A row it creates is counted in full (the upgrade's backfill, a key's first row).
+#: WARNING: SECURITY DEFINER, and the counts decide what the prune deletes: nobody but the
+#: owner (and the triggers, which run as the owner) may call it, or a tenant could inflate
+#: another team's counts and have its history pruned away.
+_REFRESH = f"""
+CREATE OR REPLACE FUNCTION jobrun.run_keys_refresh(k text, done bigint, skips bigint)
+RETURNS boolean LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $f$
+DECLARE
+  created boolean;
+BEGIN
+  INSERT INTO jobrun.run_keys AS s (key) VALUES (k) ON CONFLICT (key) DO NOTHING
+  RETURNING true INTO created;
+  IF created IS NULL THEN
+    -- Locked before anything is read: the statements below take a snapshot after it.
+    PERFORM 1 FROM jobrun.run_keys AS s WHERE s.key = k FOR UPDATE;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM jobrun.runs AS r WHERE r.key = k) THEN
+    DELETE FROM jobrun.run_keys AS s WHERE s.key = k;
+    RETURN false;
+  END IF;
+  UPDATE jobrun.run_keys AS s SET
+    finished_count = CASE WHEN created THEN (
+        SELECT count(*) FROM jobrun.runs AS r
+        WHERE r.key = k AND r.outcome <> 'skipped' AND r.outcome <> 'running')
+      ELSE s.finished_count + done END,
+    skip_count = CASE WHEN created THEN (
+        SELECT count(*) FROM jobrun.runs AS r WHERE r.key = k AND r.outcome = 'skipped')
+      ELSE s.skip_count + skips END,
+    lock_ids = (SELECT r.lock_ids FROM jobrun.runs AS r WHERE r.key = k
+                ORDER BY r.started_at DESC LIMIT 1),
+    (last_run_id, outcome, exit_code, started_at, finished_at, duration, deadlocks) = (
+        SELECT r.run_id, r.outcome, r.exit_code, r.started_at, r.finished_at, r.duration,
+               r.deadlocks
+        FROM jobrun.runs AS r
+        WHERE r.key = k AND r.outcome NOT IN ('running', 'skipped')
+        ORDER BY r.finished_at DESC NULLS LAST LIMIT 1),
+    (last_success_at, last_success_started_at) = (
+        SELECT r.finished_at, r.started_at FROM jobrun.runs AS r
+        WHERE r.key = k AND r.outcome = 'succeeded'
+        ORDER BY r.started_at DESC LIMIT 1),
+    success_durations = ARRAY(
+        SELECT r.duration FROM jobrun.runs AS r
+        WHERE r.key = k AND r.outcome = 'succeeded' AND r.duration IS NOT NULL
+        ORDER BY r.started_at DESC LIMIT 20),
+    failure_streak = coalesce((
+        SELECT CASE WHEN r.outcome = 'succeeded' THEN 0 ELSE r.streak END
+        FROM jobrun.runs AS r
+        WHERE r.key = k AND r.outcome NOT IN ('running', 'skipped') AND r.outcome <> 'abandoned'
+        ORDER BY r.finished_at DESC NULLS LAST LIMIT 1), 0),
+    skip_streak = coalesce((
+        SELECT max(x.streak) FROM (
+            SELECT r.streak FROM jobrun.runs AS r
+            WHERE r.key = k AND r.outcome = 'skipped'
+              AND r.started_at > coalesce((
+                  SELECT y.started_at FROM jobrun.runs AS y
+                  WHERE y.key = k AND y.outcome <> 'skipped'
+                  ORDER BY y.started_at DESC LIMIT 1), '-infinity')
+            ORDER BY r.started_at DESC LIMIT {_STREAK_WINDOW}) AS x), 0),
+    last_skip_at = (SELECT r.started_at FROM jobrun.runs AS r
+                    WHERE r.key = k AND r.outcome = 'skipped'
+                    ORDER BY r.started_at DESC LIMIT 1),
+    updated_at = clock_timestamp()
+  WHERE s.key = k;
+  RETURN true;
+END
+$f$;
+REVOKE ALL ON FUNCTION jobrun.run_keys_refresh(text, bigint, bigint) FROM PUBLIC;
+"""
+
+#: The triggers' function: one refresh per key a statement changed, in key order (two
+#: statements changing the same keys lock their summary rows in the same order).
+_CHANGED = """
+CREATE OR REPLACE FUNCTION jobrun.runs_changed() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $f$
+DECLARE
+  c record;
+BEGIN
+  IF TG_OP = 'INSERT' THEN
+    FOR c IN
+      SELECT n.key, count(*) FILTER (WHERE n.outcome NOT IN ('running', 'skipped')) AS done,
+             count(*) FILTER (WHERE n.outcome = 'skipped') AS skips
+      FROM new_rows AS n GROUP BY n.key ORDER BY n.key
+    LOOP
+      PERFORM jobrun.run_keys_refresh(c.key, c.done, c.skips);
+    END LOOP;
+  ELSIF TG_OP = 'UPDATE' THEN
+    FOR c IN
+      SELECT d.key, sum(d.done)::bigint AS done, sum(d.skips)::bigint AS skips FROM (
+        SELECT n.key, (n.outcome NOT IN ('running', 'skipped'))::int AS done,
+               (n.outcome = 'skipped')::int AS skips
+        FROM new_rows AS n
+        UNION ALL
+        SELECT o.key, -(o.outcome NOT IN ('running', 'skipped'))::int,
+               -(o.outcome = 'skipped')::int
+        FROM old_rows AS o) AS d
+      GROUP BY d.key ORDER BY d.key
+    LOOP
+      PERFORM jobrun.run_keys_refresh(c.key, c.done, c.skips);
+    END LOOP;
+  ELSE
+    FOR c IN
+      SELECT o.key, -count(*) FILTER (WHERE o.outcome NOT IN ('running', 'skipped')) AS done,
+             -count(*) FILTER (WHERE o.outcome = 'skipped') AS skips
+      FROM old_rows AS o GROUP BY o.key ORDER BY o.key
+    LOOP
+      PERFORM jobrun.run_keys_refresh(c.key, c.done, c.skips);
+    END LOOP;
+  END IF;
+  RETURN NULL;
+END
+$f$;
+CREATE OR REPLACE FUNCTION jobrun.runs_truncated() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $f$
+BEGIN
+  DELETE FROM jobrun.run_keys;
+  RETURN NULL;
+END
+$f$;
+"""
+
+#: Every key of the history, one index probe each (a loose scan of runs_key_started_at).
+RUNS_KEYS = """
+WITH RECURSIVE k AS (
+    (SELECT r.key FROM jobrun.runs AS r ORDER BY r.key LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.key FROM jobrun.runs AS r WHERE r.key > k.key ORDER BY r.key LIMIT 1)
+    FROM k WHERE k.key IS NOT NULL
+)
+SELECT k.key FROM k WHERE k.key IS NOT NULL
+"""
+
+_TRIGGERS = """
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                   WHERE tgrelid = 'jobrun.runs'::pg_catalog.regclass
+                     AND tgname = 'runs_inserted') THEN
+      CREATE TRIGGER runs_inserted AFTER INSERT ON jobrun.runs
+          REFERENCING NEW TABLE AS new_rows
+          FOR EACH STATEMENT EXECUTE FUNCTION jobrun.runs_changed();
+      CREATE TRIGGER runs_updated AFTER UPDATE ON jobrun.runs
+          REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+          FOR EACH STATEMENT EXECUTE FUNCTION jobrun.runs_changed();
+      CREATE TRIGGER runs_deleted AFTER DELETE ON jobrun.runs
+          REFERENCING OLD TABLE AS old_rows
+          FOR EACH STATEMENT EXECUTE FUNCTION jobrun.runs_changed();
+      CREATE TRIGGER runs_truncated AFTER TRUNCATE ON jobrun.runs
+          FOR EACH STATEMENT EXECUTE FUNCTION jobrun.runs_truncated();
+    END IF;"""
+
+#: Fill the summary for every key that has no row yet, and say it is complete (the upgrade
+#: does the same in batches, each its own transaction, on a large table).
+SUMMARY_BACKFILL = f"""
+SELECT pg_catalog.count(jobrun.run_keys_refresh(k.key, 0, 0)) FROM ({RUNS_KEYS}) AS k
+WHERE NOT EXISTS (SELECT 1 FROM jobrun.run_keys AS s WHERE s.key = k.key)
+"""
+SUMMARY_MARK_COMPLETE = f"COMMENT ON TABLE jobrun.run_keys IS '{SUMMARY_COMPLETE}'"
+
+#: The summary and the indexes, in the message that creates or upgrades the schema: the
+#: table, its functions and triggers always (cheap: a trigger takes a short lock on
+#: jobrun.runs); the indexes and the summary's backfill only while jobrun.runs is small
+#: (INLINE_BUILD_BYTES), else they are left to the upgrade. ``jobrun init`` sends the same.
+_SUMMARY_SCHEMA = (
+    _REFRESH
+    + _CHANGED
+    + f"""
+DO $jobrun$
+BEGIN
+  IF pg_catalog.to_regclass('jobrun.run_keys') IS NULL THEN
+{SUMMARY_TABLE.strip()}
+  END IF;
+{_TRIGGERS}
+  IF pg_catalog.pg_relation_size('jobrun.runs') < {INLINE_BUILD_BYTES} THEN
+{_INDEX_BUILDS}
+    IF pg_catalog.obj_description('jobrun.run_keys'::pg_catalog.regclass, 'pg_class')
+           IS DISTINCT FROM '{SUMMARY_COMPLETE}' THEN
+      PERFORM pg_catalog.count(jobrun.run_keys_refresh(k.key, 0, 0)) FROM ({RUNS_KEYS}) AS k
+      WHERE NOT EXISTS (SELECT 1 FROM jobrun.run_keys AS s WHERE s.key = k.key);
+      {SUMMARY_MARK_COMPLETE};
+    END IF;
+  END IF;
+END
+$jobrun$
+"""
+)
+
 #: The run history, created (and brought up to date) under the schema's transaction lock.
 #: ``streak`` is what the row extends: a skip, this host's skips in a row by the same holder;
 #: a failure, failures in a row; else 0. Kept in the row so that pruning never shortens it.
@@ -53,7 +340,10 @@ CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_
 ;
 """
     + CONTROL_SCHEMA
+    + ";\n"
+    + _SUMMARY_SCHEMA
 )
+
 
 #: Serializes the schema's creation (transaction-scoped: released with the message); the
 #: same lock as lease mode's, out of every key's reach.
@@ -79,15 +369,22 @@ RETURNING run_id, key, host, pid, started_at
 #: The run of this key that makes ours redundant under ``--once-per`` (window NULL: none): it
 #: started in the current window, aligned to the Unix epoch on the database's clock, and is
 #: running or succeeded.
+#: The window's start reaches the scan as a lateral parameter (an index condition on
+#: runs_key_ran: the newest such run, one index entry); without --once-per (window NULL)
+#: the statement is a constant false and reads nothing (as a NOT EXISTS in RUNS_ACQUIRED,
+#: a join on a NULL start made the planner scan every row of the table).
 _EARLIER = """
-SELECT run_id, host, pid, started_at, outcome, w.start AS window_start
-FROM jobrun.runs,
-     (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
+SELECT r.run_id, r.host, r.pid, r.started_at, r.outcome, w.start AS window_start
+FROM (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
                                 / %(window)s::float8) * %(window)s::float8) AS start) AS w
-WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
-  AND started_at >= w.start
-ORDER BY started_at DESC
-LIMIT 1
+CROSS JOIN LATERAL (
+    SELECT run_id, host, pid, started_at, outcome FROM jobrun.runs
+    WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
+      AND started_at >= w.start
+    ORDER BY started_at DESC
+    LIMIT 1
+) AS r
+WHERE %(window)s::float8 IS NOT NULL
 """
 RUNS_ALREADY_RAN = _EARLIER
 
@@ -135,8 +432,9 @@ RUNS_FINISH = """
 WITH previous AS (
     SELECT outcome, streak, streak_since, alerted_at FROM jobrun.runs
     WHERE key = %(key)s AND run_id <> %(run_id)s
+      AND outcome NOT IN ('running', 'skipped')
       AND outcome IN ('succeeded', 'failed', 'timed_out', 'lock_lost', 'exec_failed')
-    ORDER BY finished_at DESC
+    ORDER BY finished_at DESC NULLS LAST
     LIMIT 1
 ), chain AS (
     SELECT p.outcome IN ('failed', 'timed_out', 'lock_lost', 'exec_failed') AS failing, p.*
@@ -198,12 +496,19 @@ SELECT pg_advisory_xact_lock(hashtext('jobrun.skip'),
 #: holder; the chain alerts at ``alert_after``, then again once ``repeat`` seconds have passed
 #: since any host's last alert of it: one reminder per period for the whole fleet.
 RUNS_SKIP = """
-WITH chain AS (
-    SELECT max(streak) FILTER (WHERE host = %(host)s) AS mine,
-           min(streak_since) FILTER (WHERE host = %(host)s) AS since,
-           max(alerted_at) AS last_alert
-    FROM jobrun.runs
-    WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
+WITH mine AS (
+    SELECT streak, streak_since FROM jobrun.runs
+    WHERE key = %(key)s AND outcome = 'skipped' AND host = %(host)s
+      AND holder_ref = %(holder_ref)s
+    ORDER BY started_at DESC
+    LIMIT 1
+), chain AS (
+    SELECT (SELECT streak FROM mine) AS mine, (SELECT streak_since FROM mine) AS since,
+           (SELECT alerted_at FROM jobrun.runs
+            WHERE key = %(key)s AND outcome = 'skipped' AND holder_ref = %(holder_ref)s
+              AND alerted_at IS NOT NULL
+            ORDER BY alerted_at DESC
+            LIMIT 1) AS last_alert
 ), d AS (
     SELECT CASE WHEN %(locked)s THEN coalesce(c.mine, 0) + 1 ELSE 0 END AS streak, c.since,
            c.last_alert,
@@ -235,23 +540,42 @@ RETURNING streak, streak_since, (SELECT alert FROM d) AS alert
 #: Keep the newest N finished runs and the newest N skips of a key, and each host's newest
 #: skip of it: that row carries the host's skip streak (RUNS_SKIP), which the skips of a fleet
 #: larger than N would otherwise push out. So at most N + hosts skips; running rows stay.
+#: The summary row (jobrun.run_keys, kept by the triggers) says how many of each the key
+#: has: a key within N reads no run at all, and one over it deletes its oldest rows, at
+#: most PRUNE_BATCH of each kind (a history grown by a larger --keep shrinks over the next
+#: runs, each as quick as the last), each found through its index from the oldest end.
+#: A skip that is its host's newest stays (and is counted: the next skip of that host
+#: lets it go). A key without a summary row (written before the triggers) prunes nothing
+#: until its next row makes one.
 #: SKIP LOCKED: a fleet of hosts pruning the same key at once neither waits nor deadlocks. A
 #: role that may not delete prunes nothing (and its history is still written).
-RUNS_PRUNE = """
+RUNS_PRUNE = f"""
+WITH over AS (
+    SELECT coalesce((SELECT s.finished_count - %(keep)s FROM jobrun.run_keys AS s
+                     WHERE s.key = %(key)s), 0) AS done,
+           coalesce((SELECT s.skip_count - %(keep)s FROM jobrun.run_keys AS s
+                     WHERE s.key = %(key)s), 0) AS skips
+), doomed AS (
+    SELECT d.run_id FROM (
+        SELECT r.run_id FROM jobrun.runs AS r
+        WHERE r.key = %(key)s AND r.outcome <> 'skipped' AND r.outcome <> 'running'
+        ORDER BY r.started_at
+        LIMIT greatest(0, least({PRUNE_BATCH}, (SELECT done FROM over)))
+    ) AS d
+    UNION ALL
+    SELECT s.run_id FROM (
+        SELECT r.run_id, r.host, r.started_at FROM jobrun.runs AS r
+        WHERE r.key = %(key)s AND r.outcome = 'skipped'
+        ORDER BY r.started_at
+        LIMIT greatest(0, least({PRUNE_BATCH}, (SELECT skips FROM over)))
+    ) AS s
+    WHERE EXISTS (SELECT 1 FROM jobrun.runs AS y
+                  WHERE y.key = %(key)s AND y.outcome = 'skipped' AND y.host = s.host
+                    AND y.started_at > s.started_at)
+)
 DELETE FROM jobrun.runs WHERE has_table_privilege('jobrun.runs', 'DELETE') AND run_id IN (
     SELECT run_id FROM jobrun.runs
-    WHERE run_id IN (
-        SELECT ranked.run_id FROM (
-            SELECT run_id, outcome = 'skipped' AS skip,
-                   row_number() OVER (PARTITION BY outcome = 'skipped'
-                                      ORDER BY started_at DESC) AS n,
-                   row_number() OVER (PARTITION BY outcome = 'skipped', host
-                                      ORDER BY started_at DESC) AS of_host
-            FROM jobrun.runs
-            WHERE key = %(key)s AND outcome <> 'running'
-        ) AS ranked
-        WHERE ranked.n > %(keep)s AND NOT (ranked.skip AND ranked.of_host = 1)
-    )
+    WHERE run_id IN (SELECT run_id FROM doomed)
     FOR UPDATE SKIP LOCKED
 )
 """

@@ -132,13 +132,16 @@ PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
     ("client_encoding", "UTF8"),
     ("search_path", SEARCH_PATH),
     ("extra_float_digits", "1"),
+    # No plan of jobrun's is worth compiling: JIT turns on by a plan's estimated cost, and
+    # a misestimate (a key taken for hundreds) made status spend seconds compiling.
+    ("jit", "off"),
 )
 #: The same as one statement, for a session that started without them (a pooler).
 PIN_SETTINGS = (
     "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET TimeZone = 'UTC'; "
     "SET client_encoding = 'UTF8'; "
     f"SET search_path = {SEARCH_PATH}; "
-    "SET extra_float_digits = 1"
+    "SET extra_float_digits = 1; SET jit = off"
 )
 
 #: One key, no --wait: the lock session's settings, facts and lock in ONE message (after

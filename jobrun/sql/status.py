@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from jobrun.sql.history import SUMMARY_COMPLETE
+
 #: Every granted bigint advisory lock in this database, with whoever holds it: its database
 #: role (``usename``) is the server's word; everything else but the pid is the client's.
 STATUS_ADVISORY_LOCKS = """
@@ -15,8 +17,11 @@ ORDER BY 1
 """
 
 #: One row per key of the history (all keys, or those asked for): the last finished run,
-#: the last success, the typical (median of the last 20 successful) duration, the streaks.
-STATUS_HISTORY = """
+#: the last success, the typical (median of the last 20 successful) duration, the streaks,
+#: read from the runs themselves: each key's rows through its indexes, every key by a scan.
+#: What ``status`` reads while the summary is not complete (an upgrade under way), and where
+#: there is none (a schema of an older version).
+STATUS_HISTORY_RUNS = """
 SELECT k.key,
        (SELECT lock_ids FROM jobrun.runs AS x WHERE x.key = k.key
         ORDER BY x.started_at DESC LIMIT 1) AS lock_ids,
@@ -50,6 +55,28 @@ LEFT JOIN LATERAL (
 ) AS last ON true
 ORDER BY k.key
 """
+
+#: The same from the summary (jobrun.run_keys: a row per key, kept by the history's
+#: triggers), once it is complete; until then (the upgrade's backfill under way) from the
+#: runs (a one-time filter: the branch not taken is never run).
+STATUS_HISTORY = f"""
+SELECT s.key, s.lock_ids, s.outcome, s.exit_code, s.started_at, s.finished_at, s.duration,
+       s.deadlocks, s.last_success_at,
+       (SELECT pg_catalog.percentile_cont(0.5) WITHIN GROUP (ORDER BY d.duration)
+        FROM pg_catalog.unnest(s.success_durations) AS d (duration)) AS typical_duration,
+       s.skip_streak, s.failure_streak, s.last_skip_at
+FROM jobrun.run_keys AS s
+WHERE (SELECT c.complete FROM complete AS c)
+  AND (%(all)s OR s.key OPERATOR(pg_catalog.=) ANY(%(keys)s::pg_catalog.text[]))
+UNION ALL
+SELECT * FROM ({STATUS_HISTORY_RUNS}) AS h WHERE NOT (SELECT c.complete FROM complete AS c)
+ORDER BY 1
+"""
+STATUS_HISTORY = (
+    "WITH complete AS (SELECT pg_catalog.obj_description("
+    "pg_catalog.to_regclass('jobrun.run_keys'), 'pg_class') IS NOT DISTINCT FROM "
+    f"'{SUMMARY_COMPLETE}' AS complete)" + STATUS_HISTORY
+)
 
 #: The unexpired leases, where jobrun.leases exists. A database that never saw lease mode
 #: has no such table, and a statement naming it would be an ERROR in the server's log at

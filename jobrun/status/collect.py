@@ -252,7 +252,7 @@ def _read_apart(
     params = {"all": not labels, "keys": list(labels)}
     reads = _Reads()
     try:
-        reads.history = read_rows(conn, sql.STATUS_HISTORY, params)
+        reads.history = _history_rows(conn, params)
     except errors.UndefinedTable:
         notes.append("no run history yet (the jobrun.runs table does not exist)")
     except errors.InsufficientPrivilege as exc:
@@ -280,6 +280,18 @@ def _read_apart(
     return reads
 
 
+def _history_rows(conn: Connection, params: dict[str, Any]) -> list[Row]:
+    """Each key's state: from the summary, or from the runs where there is none yet.
+
+    A schema of an older version has no jobrun.run_keys until a run of the tables' owner
+    (or ``jobrun init``) upgrades it: ``status`` reads the runs meanwhile.
+    """
+    try:
+        return read_rows(conn, sql.STATUS_HISTORY, params)
+    except errors.UndefinedTable:
+        return read_rows(conn, status_sql.STATUS_HISTORY_RUNS, params)
+
+
 def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
     """Each session-mode holder's database role, from its backend pid."""
     for row in rows:
@@ -288,16 +300,20 @@ def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
 
 
 def _add_slots(rows: Iterable[KeyStatus], held: dict[int, tuple[str | None, Holder]]) -> None:
-    """``--slots``: how many slots of each key are held, and a holder if none was found."""
+    """``--slots``: how many slots of each key are held, and a holder if none was found.
+
+    Only the keys a held lock is labelled with are looked at: a key's slot ids are 256
+    hashes, which for every key of a large history would cost seconds.
+    """
+    by_label: dict[str, list[tuple[int, Holder]]] = {}
+    for lock_id, (label, holder) in held.items():
+        if label is not None:
+            by_label.setdefault(label, []).append((lock_id, holder))
     for row in rows:
-        if "," in row.key or row.key.startswith(keys.LOCK_ID_PREFIX):
+        if "," in row.key or row.key.startswith(keys.LOCK_ID_PREFIX) or row.key not in by_label:
             continue
         slot_ids = _slot_ids(row.key)
-        in_use = [
-            holder
-            for lock_id, (label, holder) in held.items()
-            if lock_id in slot_ids and label == row.key
-        ]
+        in_use = [holder for lock_id, holder in by_label[row.key] if lock_id in slot_ids]
         if in_use:
             row.slots_in_use = len(in_use)
             row.holder = row.holder or in_use[0]
