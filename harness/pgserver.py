@@ -171,7 +171,7 @@ class PgServer(Managed):
             "--no-sync",
         )
         self._append_settings(
-            "# added by jobrun/testing/pgserver.py",
+            "# added by harness/pgserver.py",
             {**_BASE_SETTINGS, "unix_socket_directories": str(self.socket_dir), **self.settings},
         )
 
@@ -193,7 +193,7 @@ class PgServer(Managed):
         # The copy carries the primary's postgresql.conf: later lines win, so the socket
         # directory (the primary's own) and this server's settings go at the end.
         self._append_settings(
-            "# added by jobrun/testing/pgserver.py for the standby",
+            "# added by harness/pgserver.py for the standby",
             {"unix_socket_directories": str(self.socket_dir), **self.settings},
         )
         if upstream is not None:

@@ -11,10 +11,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun.testing.pgbouncer import PgBouncer, require_pgbouncer
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import create_database, drop_database, server_address, server_version
-from jobrun.testing.proxy import TcpProxy
+from harness.pgbouncer import PgBouncer, require_pgbouncer
+from harness.pgserver import PgServer
+from harness.pgtools import create_database, drop_database, server_address, server_version
+from harness.proxy import TcpProxy
 from jobrun.throwaway import NoPostgresError, find_pg_bin
 from support import EXAMPLES_PROPERTY
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from harness import jobrun_cli
 from jobrun import __version__
-from jobrun.testing import jobrun_cli
 from jobrun.throwaway import PGBIN_ENV, find_pg_bin
 
 BAD_INVOCATIONS = {

@@ -11,11 +11,11 @@ from pathlib import Path
 import click
 import pytest
 
+from harness import jobrun_cli
 from jobrun import __version__, fence
 from jobrun.cli import cli
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import TABLE
-from jobrun.testing import jobrun_cli
 
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
 
@@ -203,15 +203,15 @@ class TestSubcommandsLoadWhenUsed:
     #: Prints, as the process ends, every jobrun module it imported.
     REPORT_MODULES = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print(*[m for m in sys.modules if m.startswith('jobrun')],"
-        " sep='\\n', file=sys.stderr))\n"
+        "atexit.register(lambda: print(*[m for m in sys.modules"
+        " if m.startswith(('jobrun', 'harness'))], sep='\\n', file=sys.stderr))\n"
         "sys.argv = ['jobrun', *sys.argv[1:]]\n"
         "from jobrun.__main__ import main\n"
         "main()\n"
     )
 
     def _imported(self, *argv: str, dsn: str | None = None) -> set[str]:
-        """The jobrun modules ``jobrun ARGV`` imported (a run's event lines are left out)."""
+        """The jobrun and harness modules ``jobrun ARGV`` imported (event lines left out)."""
         result = subprocess.run(
             [sys.executable, "-c", self.REPORT_MODULES, *argv],
             env=jobrun_cli.environment(dsn),
@@ -221,7 +221,7 @@ class TestSubcommandsLoadWhenUsed:
             check=False,
         )
         assert result.returncode == 0, result.stderr
-        return {word for word in result.stderr.split() if word.startswith("jobrun")}
+        return {word for word in result.stderr.split() if word.startswith(("jobrun", "harness"))}
 
     @pytest.mark.parametrize("argv", [("--help",), ("key", "x")])
     def test_no_other_subcommand_is_imported(self, argv):
@@ -248,10 +248,10 @@ class TestSubcommandsLoadWhenUsed:
         assert not imported & {*self.SUBCOMMAND_MODULES, *self.OPTIONAL_RUN_MODULES}
 
     def test_a_run_never_imports_the_test_harness(self, dsn, key):
-        """jobrun.testing ships with the package for tests and benchmarks; a run leaves it be."""
+        """harness/ is the tests' and benchmarks' alone (not installed); a run leaves it be."""
         imported = self._imported("--key", key, "--wait", "1s", "--", "true", dsn=dsn)
         assert "jobrun.db" in imported
-        assert not {m for m in imported if m.split(".")[:2] == ["jobrun", "testing"]}
+        assert not {m for m in imported if m.split(".")[0] == "harness"}
 
     def test_each_option_imports_its_module(self, dsn, key, tmp_path):
         """The optional modules are the ones those options use (the list above is not stale)."""

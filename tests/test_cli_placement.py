@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from harness import jobrun_cli
 from jobrun.cli import cli
-from jobrun.testing import jobrun_cli
 
 #: Nothing listens on port 1: a command that uses this database exits 69 quickly.
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"

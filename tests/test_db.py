@@ -16,22 +16,22 @@ import structlog
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness import jobrun_cli
+from harness.jobrun_cli import event
+from harness.pgtools import server_major
 from jobrun import db, keys
 from jobrun.db import connecting
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import SessionLock
 from jobrun.session import ServerSession
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event
-from jobrun.testing.pgtools import server_major
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
     from pathlib import Path
     from subprocess import CompletedProcess
 
-    from jobrun.testing.pgserver import PgServer
+    from harness.pgserver import PgServer
 
 #: libpq's connect_timeout is whole seconds and at least 2: what jobrun must do better than.
 LIBPQ_MINIMUM_TIMEOUT = 2.0

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import jobrun_cli
+from harness.pgserver import PgServer
 from jobrun import deadlocks
-from jobrun.testing import jobrun_cli
-from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
+from harness import overlap_scenarios
+from harness.jobrun_cli import JOBRUN
+from harness.overlap_scenarios import Scenario
+from harness.pgserver import PgServer
 from jobrun import deadlocks
 from jobrun.deadlocks.advice import suggest
-from jobrun.testing import overlap_scenarios
-from jobrun.testing.jobrun_cli import JOBRUN
-from jobrun.testing.overlap_scenarios import Scenario
-from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

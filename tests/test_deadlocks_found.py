@@ -30,10 +30,10 @@ from test_deadlocks import (  # the same private logging server and deadlock, on
 )
 from test_deadlocks_wild import as_syslog
 
+from harness import jobrun_cli
+from harness.pgserver import PgServer
 from jobrun import deadlocks
 from jobrun.deadlocks import catalog, language
-from jobrun.testing import jobrun_cli
-from jobrun.testing.pgserver import PgServer
 from jobrun.throwaway import PGBIN_ENV
 
 if TYPE_CHECKING:

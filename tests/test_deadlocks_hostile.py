@@ -6,10 +6,10 @@ import gzip
 import json
 from typing import TYPE_CHECKING
 
+from harness import jobrun_cli
 from jobrun import deadlocks
 from jobrun.deadlocks import scan, sources
 from jobrun.exitcodes import Exit
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     import subprocess

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
+from harness import jobrun_cli
+from harness.pgserver import PgServer
 from jobrun import deadlocks
 from jobrun.deadlocks.model import Entry
 from jobrun.deadlocks.sessions import SessionLog
 from jobrun.deadlocks.storms import moment
-from jobrun.testing import jobrun_cli
-from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

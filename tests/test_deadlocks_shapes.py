@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import jobrun_cli
 from jobrun import deadlocks
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from pathlib import Path

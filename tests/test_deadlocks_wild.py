@@ -25,8 +25,8 @@ from test_deadlocks import (  # the same private logging server and deadlock, on
     only_deadlock,
 )
 
+from harness import jobrun_cli
 from jobrun import deadlocks
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable

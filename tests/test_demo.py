@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -16,12 +16,12 @@ import click
 import pytest
 import tomllib
 
+from harness import jobrun_cli
 from jobrun.cli import cli, reference
 from jobrun.exitcodes import TABLE
 from jobrun.locks import Holder
 from jobrun.status import status_table
 from jobrun.status.collect import KeyStatus
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from _pytest.mark.structures import ParameterSet

@@ -16,9 +16,9 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness import jobrun_cli
 from jobrun import background, db, drill, keys
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from jobrun.testing.pgserver import PgServer
+from harness.pgserver import PgServer
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
+from harness import jobrun_cli
+from harness.failover import FailoverPair, window_child
+from harness.jobrun_cli import event, wait_for_file, wait_until
 from jobrun import keys
 from jobrun.locks.lease import timing
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from jobrun.testing import jobrun_cli
-from jobrun.testing.failover import FailoverPair, window_child
-from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 
 if TYPE_CHECKING:
     import subprocess

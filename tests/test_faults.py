@@ -15,12 +15,12 @@ import psycopg
 import pytest
 import structlog
 
+from harness import jobrun_cli
+from harness.jobrun_cli import event, wait_for_file, wait_until
 from jobrun import db, keys
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
 from jobrun.session import ServerSession
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, wait_for_file, wait_until
 from support.history import rows_of
 
 if TYPE_CHECKING:

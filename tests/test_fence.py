@@ -16,8 +16,8 @@ import pytest
 from psycopg import errors
 from psycopg.conninfo import make_conninfo
 
+from harness import jobrun_cli as cli
 from jobrun import db, fence, log
-from jobrun.testing import jobrun_cli as cli
 from support.sessions import SessionCounter
 
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()

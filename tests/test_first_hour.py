@@ -17,7 +17,7 @@ import tomllib
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

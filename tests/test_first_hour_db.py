@@ -11,10 +11,10 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file, wait_until
+from harness.pgserver import PgServer
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file, wait_until
-from jobrun.testing.pgserver import PgServer
 
 if TYPE_CHECKING:
     import subprocess

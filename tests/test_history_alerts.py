@@ -13,11 +13,11 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_until
 from jobrun import alerts
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import iso
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_until
 from support.history import Run, history_config, holder, hook, hook_calls, rows_of
 
 

@@ -6,8 +6,8 @@ import json
 import shlex
 import signal
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
+from harness import jobrun_cli
+from harness.jobrun_cli import event, events, wait_for_file, wait_until
 from support.history import hook, hook_calls, rows_of, table_exists
 
 

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
+from harness import jobrun_cli
+from harness.jobrun_cli import event, events, wait_for_file, wait_until
 from support.history import ensure_runs_table, history_config, holder, rows_of
 
 if TYPE_CHECKING:

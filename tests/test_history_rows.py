@@ -10,9 +10,9 @@ import uuid
 import psycopg
 import pytest
 
+from harness.jobrun_cli import wait_until
 from jobrun import keys
 from jobrun.exitcodes import UsageError
-from jobrun.testing.jobrun_cli import wait_until
 from support.history import Run, history_config, holder, row_of, rows_of
 
 

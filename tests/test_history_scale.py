@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from harness import jobrun_cli
 from jobrun import db, sql
 from jobrun.doctor.finding import WARN
 from jobrun.doctor.history_scale import history_scale
@@ -22,7 +23,6 @@ from jobrun.history.upgrade import upgrade
 from jobrun.sql import history as history_sql
 from jobrun.sql import status as status_sql
 from jobrun.status.collect import _slot_ids, collect
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, events, wait_for_file
+from harness import jobrun_cli
+from harness.jobrun_cli import event, events, wait_for_file
 from support.history import ensure_runs_table, rows_of
 from support.sessions import SessionCounter
 

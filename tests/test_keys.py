@@ -9,10 +9,10 @@ import uuid
 import psycopg
 import pytest
 
+from harness import jobrun_cli
 from jobrun import keys
 from jobrun.exitcodes import UsageError
 from jobrun.locks import new_run_id
-from jobrun.testing import jobrun_cli
 
 #: Pinned: changing any of these lets two jobrun versions run one job at once.
 VECTORS = [

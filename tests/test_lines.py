@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import jobrun_cli as cli
 from jobrun import keys, log, status
 from jobrun.exitcodes import Exit
 from jobrun.locks import Holder
-from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -14,14 +14,14 @@ import psycopg
 import pytest
 import structlog
 
+from harness.memory import MemoryLock, MemoryStore
+from harness.pgtools import terminate_backend
 from jobrun import db, keys, slots, sql
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
 from jobrun.session import ServerSession
-from jobrun.testing.memory import MemoryLock, MemoryStore
-from jobrun.testing.pgtools import terminate_backend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

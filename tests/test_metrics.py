@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import jobrun_cli
 from jobrun import db, keys, log, metrics
 from jobrun.history.notify import NoHistory, Notifier
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
-from jobrun.testing import jobrun_cli
 from support.history import history_config
 
 if TYPE_CHECKING:

@@ -19,11 +19,11 @@ import pytest
 from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness import jobrun_cli, overlap_scenarios
 from jobrun import db, overlap
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
 from jobrun.overlap.model import SessionRow
-from jobrun.testing import jobrun_cli, overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

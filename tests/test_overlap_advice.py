@@ -10,15 +10,15 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from harness import overlap_scenarios
 from jobrun.cli.overlap import overlap_command
 from jobrun.overlap import advice
 from jobrun.overlap.model import Lock, Wait
-from jobrun.testing import overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-#: Each deadlocking scenario of jobrun/testing/overlap_scenarios.py, the shape its cycle is
+#: Each deadlocking scenario of harness/overlap_scenarios.py, the shape its cycle is
 #: read as, and words its suggested fix must hold.
 SHAPES = {
     "opposite row order": ("rows in opposite order", "ORDER BY id FOR UPDATE"),

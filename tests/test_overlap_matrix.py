@@ -12,10 +12,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from harness import overlap_scenarios
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import UsageError
 from jobrun.supervise import ExecFailed
-from jobrun.testing import overlap_scenarios
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness import jobrun_cli as cli
 from jobrun import log, ping
 from jobrun.exitcodes import UsageError
-from jobrun.testing import jobrun_cli as cli
 from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:

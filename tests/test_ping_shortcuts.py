@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
+from harness import jobrun_cli as cli
 from jobrun import ping
-from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -9,9 +9,9 @@ import subprocess
 import psycopg
 import pytest
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file
 from jobrun.keys import lock_id_for
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file
 from support.history import rows_of
 
 MODES = ("session", "lease")

@@ -10,9 +10,9 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file
 from jobrun.keys import lock_id_for
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file
 
 #: The victims' heartbeat: short, so a run that lost its lock would notice within the test.
 HEARTBEAT = "200ms"

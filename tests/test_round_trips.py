@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.delay_proxy import DelayProxy
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.statement_log import LOG_SETTINGS, Calls, StatementLog
+from harness import jobrun_cli
+from harness.delay_proxy import DelayProxy
+from harness.pgserver import PgServer
+from harness.statement_log import LOG_SETTINGS, Calls, StatementLog
 
 if TYPE_CHECKING:
     import subprocess

@@ -17,9 +17,9 @@ from typing import ClassVar
 import psycopg
 import pytest
 
+from harness import jobrun_cli
+from harness.jobrun_cli import event, events, wait_for_file, wait_until
 from jobrun import keys
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
 
 COMMON_FIELDS = {
     "timestamp",

@@ -20,13 +20,13 @@ import pytest
 import structlog
 from structlog.testing import LogCapture
 
+from harness.memory import MemoryLock, MemoryStore, forked, run_in_process
 from jobrun import keys, supervise
 from jobrun.exitcodes import Exit
 from jobrun.job import Job
 from jobrun.listeners import Listener
 from jobrun.locks import Taken
 from jobrun.procs import process_gone
-from jobrun.testing.memory import MemoryLock, MemoryStore, forked, run_in_process
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

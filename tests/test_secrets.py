@@ -18,13 +18,13 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
+from harness import jobrun_cli
 from jobrun import db, log, masking, tail
 from jobrun.cli import cli
 from jobrun.history.config import HistoryConfig
 from jobrun.history.notify import Notifier
 from jobrun.locks import Identity
 from jobrun.settings import Settings
-from jobrun.testing import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

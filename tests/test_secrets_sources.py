@@ -19,13 +19,13 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
     from pathlib import Path
 
-    from jobrun.testing.pgserver import PgServer
+    from harness.pgserver import PgServer
 
 #: The role's password, written to the password file (``:`` escaped there as ``\:``). Long
 #: and mixed, so that each of its encodings differs from it and from the others.

@@ -16,15 +16,15 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from harness import jobrun_cli
+from harness.jobrun_cli import event, events, wait_for_file, wait_until
+from harness.pgserver import PgServer
+from harness.pgtools import RunAs, make_private_dir
 from jobrun.doctor.server import network_peer
 from jobrun.history.config import CALL_TIMEOUT
 from jobrun.keys import lock_id_for
 from jobrun.locks.lease import LeaseTiming
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, events, wait_for_file, wait_until
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import RunAs, make_private_dir
 from jobrun.throwaway import find_pg_bin
 from support.history import ensure_runs_table
 

@@ -11,9 +11,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from harness import jobrun_cli
+from harness.pgtools import create_database, drop_database
 from jobrun import sql as jobrun_sql
-from jobrun.testing import jobrun_cli
-from jobrun.testing.pgtools import create_database, drop_database
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

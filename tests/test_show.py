@@ -7,7 +7,7 @@ import json
 import psycopg
 import pytest
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 from support.history import ensure_runs_table
 
 

@@ -14,6 +14,8 @@ import pytest
 from click.testing import CliRunner
 from psycopg import sql as pgsql
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file
 from jobrun import db, keys, log
 from jobrun.cli.ops import (
     deadlocks_command,
@@ -25,8 +27,6 @@ from jobrun.cli.ops import (
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
 from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file
 from support.history import history_config
 
 if TYPE_CHECKING:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from jobrun.testing import pgbouncer as pgbouncer_module
-from jobrun.testing.failover import FailoverPair
-from jobrun.testing.managed import Managed
-from jobrun.testing.pgbouncer import PgBouncer
-from jobrun.testing.pgserver import PgServer
-from jobrun.testing.pgtools import TEMP_ROOT_ENV, PgServerError
-from jobrun.testing.proxy import TcpProxy
+from harness import pgbouncer as pgbouncer_module
+from harness.failover import FailoverPair
+from harness.managed import Managed
+from harness.pgbouncer import PgBouncer
+from harness.pgserver import PgServer
+from harness.pgtools import TEMP_ROOT_ENV, PgServerError
+from harness.proxy import TcpProxy
 from jobrun.throwaway import PGBIN_ENV, NoPostgresError, find_pg_bin
 
 if TYPE_CHECKING:
@@ -271,7 +271,7 @@ def test_proxy_refuse_rejects_new_connections_only(
 
 
 def test_proxy_stop_is_idempotent(pg_address: tuple[str, int]) -> None:
-    from jobrun.testing.proxy import TcpProxy  # noqa: PLC0415 - the fixture's class, used bare here
+    from harness.proxy import TcpProxy  # noqa: PLC0415 - the fixture's class, used bare here
 
     through = TcpProxy(*pg_address).start()
     through.stop()

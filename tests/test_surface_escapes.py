@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
+from harness import jobrun_cli as cli
 from jobrun import keys
 from jobrun.escape import printable, printable_lines
-from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

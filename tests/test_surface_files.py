@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from harness import jobrun_cli as cli
 from jobrun import log, metrics
-from jobrun.testing import jobrun_cli as cli
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -18,10 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from psycopg.conninfo import make_conninfo
 
+from harness import jobrun_cli as cli
+from harness.pgtools import create_database, drop_database
 from jobrun import tail
 from jobrun.exitcodes import UsageError
-from jobrun.testing import jobrun_cli as cli
-from jobrun.testing.pgtools import create_database, drop_database
 from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:

@@ -10,9 +10,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harness import jobrun_cli
+from harness.jobrun_cli import event, wait_until
 from jobrun.keys import lock_id_for
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event, wait_until
 from support.tenants import Teams, alone, end, ok, running_run_id, victim
 
 if TYPE_CHECKING:

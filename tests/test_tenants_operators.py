@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 from support.tenants import Teams, alone, end, ok, running_run_id, victim
 
 if TYPE_CHECKING:

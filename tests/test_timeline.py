@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 from jobrun.timeline import model
 from support.history import ensure_runs_table
 

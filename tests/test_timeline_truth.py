@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import psycopg
 from test_timeline import Elements, chromium, headless
 
-from jobrun.testing import jobrun_cli
+from harness import jobrun_cli
 from jobrun.timeline import model
 from support.history import ensure_runs_table
 

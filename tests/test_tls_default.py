@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import event
-from jobrun.testing.proxy import TcpProxy
+from harness import jobrun_cli
+from harness.jobrun_cli import event
+from harness.proxy import TcpProxy
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

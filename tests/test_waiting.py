@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file
 from jobrun import db, waiting
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file
 
 if TYPE_CHECKING:
     import subprocess

@@ -17,8 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from harness import jobrun_cli
 from jobrun import keys
-from jobrun.testing import jobrun_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "tools" / "build_zipapp.py"

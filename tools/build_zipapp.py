@@ -194,8 +194,6 @@ def _library(staging: Path, pure: list[Path]) -> Path:
             if (
                 path.is_file()
                 and "__pycache__" not in path.parts
-                # The test harness: a clone's tests and benchmarks use it, never a run.
-                and "testing" not in path.relative_to(ROOT / "jobrun").parts[:1]
                 and path.suffix in {".py", ".typed"}
             ):
                 out.write(path, path.relative_to(ROOT).as_posix())

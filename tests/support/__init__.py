@@ -1,4 +1,4 @@
-"""pytest-only helpers: shared fixtures, history rows, session counts (servers: jobrun.testing)."""
+"""pytest-only helpers: shared fixtures, history rows, session counts (servers: harness)."""
 
 import threading
 from pathlib import Path

@@ -10,8 +10,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.pgtools import create_database, drop_database
+from harness import jobrun_cli
+from harness.pgtools import create_database, drop_database
 from support.tenants import Teams, ok
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from typing import final
 import psycopg
 import pytest
 
-from jobrun.testing.jobrun_cli import wait_until
+from harness.jobrun_cli import wait_until
 
 
 @final

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrun.testing import jobrun_cli
-from jobrun.testing.jobrun_cli import wait_for_file, wait_until
+from harness import jobrun_cli
+from harness.jobrun_cli import wait_for_file, wait_until
 
 if TYPE_CHECKING:
     import subprocess
