@@ -289,8 +289,9 @@ class TestPause:
                 (key,),
             ).fetchone()
         assert row is not None
-        # Derived from --for: the pause may already be over when the first run looked.
-        assert first.returncode == (75 if row[0] > 0 else 0)
+        # Derived from --for: still in force after the first run, so in force when it
+        # looked; over by now, it may have been over then or not (a loaded machine).
+        assert first.returncode == 75 if row[0] > 0 else first.returncode in {0, 75}
         wait_until(
             lambda: jobrun_cli.run("--key", key, "--", "true", dsn=dsn).returncode == 0,
             timeout=1.0 + 30,
