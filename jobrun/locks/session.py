@@ -97,14 +97,18 @@ class SessionLock:
         """Take every key in ascending lock-id order, or none (then say who holds one)."""
         conn = self._session.open()
         try:
-            facts = None
-            if wait <= 0 and len(self._keys) == 1:
-                # The common case in one message: settings, facts, lock, lease, holder.
-                taken = self._take_at_once(conn)
-                if not isinstance(taken, tuple):
-                    return taken
-                facts = taken
-            return self._acquire_probed(conn, wait, facts)
+            # Every statement below is translated where it is sent; this catches a
+            # straggler (an unlock after a lease was found, as the server crashed): a
+            # database error is LockStoreUnavailable, never an internal error.
+            with db.translate_errors(self._target, "taking the advisory lock"):
+                facts = None
+                if wait <= 0 and len(self._keys) == 1:
+                    # The common case in one message: settings, facts, lock, lease, holder.
+                    taken = self._take_at_once(conn)
+                    if not isinstance(taken, tuple):
+                        return taken
+                    facts = taken
+                return self._acquire_probed(conn, wait, facts)
         except BaseException:
             # WARNING: the server frees a session's locks with it: whatever a failed
             # message took (a session lock outlives its transaction) goes here.
