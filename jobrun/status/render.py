@@ -295,29 +295,28 @@ def _who(holder: Holder | None) -> str:
     return "?"
 
 
-def _when(stamp: str | None) -> str:
-    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp."""
+def _utc(stamp: str | None) -> dt.datetime | str:
+    """An ISO 8601 timestamp in UTC; ``-`` for none, the text itself if it is not one."""
     if not stamp:
         return "-"
     try:
         parsed = dt.datetime.fromisoformat(stamp)
     except ValueError:
         return stamp
-    if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(dt.timezone.utc)
-    return parsed.strftime("%Y-%m-%d %H:%M:%SZ")
+    return parsed.astimezone(dt.timezone.utc) if parsed.tzinfo is not None else parsed
+
+
+def _when(stamp: str | None) -> str:
+    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp."""
+    parsed = _utc(stamp)
+    return parsed if isinstance(parsed, str) else parsed.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _short_when(stamp: str | None, year: int) -> str:
     """``11-29 10:26Z`` from an ISO 8601 timestamp of ``year``, ``2025-11-29`` otherwise."""
-    if not stamp:
-        return "-"
-    try:
-        parsed = dt.datetime.fromisoformat(stamp)
-    except ValueError:
-        return stamp
-    if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(dt.timezone.utc)
+    parsed = _utc(stamp)
+    if isinstance(parsed, str):
+        return parsed
     return parsed.strftime("%m-%d %H:%MZ" if parsed.year == year else "%Y-%m-%d")
 
 
