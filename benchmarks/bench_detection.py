@@ -30,9 +30,9 @@ import structlog
 
 from harness.proxy import TcpProxy
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.locks import Holder, Identity
 from jobrun.locks.lease import LeaseLock
-from jobrun.session import ServerSession
 
 ROOT = Path(__file__).resolve().parent.parent
 

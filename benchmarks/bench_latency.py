@@ -66,9 +66,9 @@ from harness.bench import ping_endpoint, run_by_hand, run_once
 from harness.delay_proxy import DelayProxy
 from harness.pgserver import PgServer
 from harness.pgtools import PgServerError, RunAs, make_private_dir
-from jobrun.background import BackgroundRun
 from jobrun.keys import lock_id_for
-from jobrun.throwaway import find_pg_bin
+from jobrun.ops.background import BackgroundRun
+from jobrun.ops.throwaway import find_pg_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

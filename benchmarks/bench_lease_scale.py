@@ -38,10 +38,10 @@ from psycopg.conninfo import conninfo_to_dict
 
 from harness.pgbouncer import PgBouncer
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.locks import Holder, Identity, new_run_id
 from jobrun.locks.lease import LeaseLock, beat
-from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from jobrun.background import BackgroundRun
+from jobrun.ops.background import BackgroundRun
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 #: The child: note the wall time of SIGTERM in the file named by argv[1], then exit.

@@ -21,19 +21,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from jobrun import db
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
 from jobrun.keys import describe
 from jobrun.locks import Holder, Identity, Taken, new_run_id
-from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.job import Job
     from jobrun.keys import Key
-    from jobrun.listeners import Listener
+    from jobrun.run.job import Job
+    from jobrun.run.listeners import Listener
 
 T = TypeVar("T")
 
@@ -198,8 +198,8 @@ def run_in_process(
     its wake-up signal ignored (a run's process exits next); a test process runs on, so
     both are put back here.
     """
-    from jobrun import runner, supervise  # noqa: PLC0415 - heavy for an import of the lock
-    from jobrun.history.notify import NoHistory  # noqa: PLC0415
+    from jobrun.run import runner, supervise  # noqa: PLC0415 - heavy for an import of the lock
+    from jobrun.run.notify import NoHistory  # noqa: PLC0415
 
     wake = signal.getsignal(supervise.WAKE)
     try:

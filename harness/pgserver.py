@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from jobrun.throwaway import find_pg_bin
+from jobrun.ops.throwaway import find_pg_bin
 
 from .managed import Managed
 from .pgtools import (

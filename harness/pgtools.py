@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from jobrun.throwaway import RUN_AS_WHEN_ROOT, find_pg_bin
+from jobrun.ops.throwaway import RUN_AS_WHEN_ROOT, find_pg_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -15,7 +15,7 @@ from harness.pgbouncer import PgBouncer, require_pgbouncer
 from harness.pgserver import PgServer
 from harness.pgtools import create_database, drop_database, server_address, server_version
 from harness.proxy import TcpProxy
-from jobrun.throwaway import NoPostgresError, find_pg_bin
+from jobrun.ops.throwaway import NoPostgresError, find_pg_bin
 from support import EXAMPLES_PROPERTY
 
 if TYPE_CHECKING:

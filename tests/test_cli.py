@@ -13,7 +13,7 @@ import pytest
 
 from harness import jobrun_cli
 from jobrun import __version__
-from jobrun.throwaway import PGBIN_ENV, find_pg_bin
+from jobrun.ops.throwaway import PGBIN_ENV, find_pg_bin
 
 BAD_INVOCATIONS = {
     "empty key": ["--key", "", "--", "true"],

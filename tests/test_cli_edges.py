@@ -12,10 +12,11 @@ import click
 import pytest
 
 from harness import jobrun_cli
-from jobrun import __version__, fence
+from jobrun import __version__
 from jobrun.cli import cli
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import TABLE
+from jobrun.run import fence
 
 CLOSED = "postgresql://postgres@127.0.0.1:1/closed"
 
@@ -232,19 +233,19 @@ class TestSubcommandsLoadWhenUsed:
 
     #: Modules only some runs need: each is imported by the option (or mode) that uses it.
     OPTIONAL_RUN_MODULES = (
-        "jobrun.alerts",  # --on-alert
-        "jobrun.metrics",  # --metrics-file
-        "jobrun.ping",  # --ping
-        "jobrun.tail",  # --keep-output
-        "jobrun.fence",  # --fence
-        "jobrun.slots",  # --slots
+        "jobrun.run.alerts",  # --on-alert
+        "jobrun.run.metrics",  # --metrics-file
+        "jobrun.run.ping",  # --ping
+        "jobrun.run.tail",  # --keep-output
+        "jobrun.run.fence",  # --fence
+        "jobrun.locks.slots",  # --slots
         "jobrun.locks.lease",  # --mode lease
     )
 
     def test_a_plain_run_imports_only_what_it_uses(self, dsn, key):
         """A session-mode run with history imports no subcommand and no optional module."""
         imported = self._imported("--key", key, "--", "true", dsn=dsn)
-        assert "jobrun.runner" in imported  # the report did see the run's own modules
+        assert "jobrun.run.runner" in imported  # the report did see the run's own modules
         assert not imported & {*self.SUBCOMMAND_MODULES, *self.OPTIONAL_RUN_MODULES}
 
     def test_a_run_never_imports_the_test_harness(self, dsn, key):
@@ -261,8 +262,10 @@ class TestSubcommandsLoadWhenUsed:
             *("--ping", "http://127.0.0.1:9/", "--ping-timeout", "100ms", "--", "true"),
             dsn=dsn,
         )
-        assert set(self.OPTIONAL_RUN_MODULES) - imported == {"jobrun.slots"}
-        assert "jobrun.slots" in self._imported("--key", key, "--slots", "2", "--", "true", dsn=dsn)
+        assert set(self.OPTIONAL_RUN_MODULES) - imported == {"jobrun.locks.slots"}
+        assert "jobrun.locks.slots" in self._imported(
+            "--key", key, "--slots", "2", "--", "true", dsn=dsn
+        )
 
     def test_every_summary_is_the_commands_own(self):
         """The one-line help --help shows without importing is each command's own."""

@@ -10,8 +10,8 @@ import pytest
 from harness import jobrun_cli
 from harness.jobrun_cli import event, events, wait_for_file, wait_until
 from jobrun.keys import lock_id_for
+from jobrun.locks.slots import slot_lock_id
 from jobrun.locks.stops import STOP_TABLE_PROBE
-from jobrun.slots import slot_lock_id
 from support.history import ensure_runs_table, rows_of
 
 MODES = ("session", "lease")

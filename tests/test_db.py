@@ -21,10 +21,10 @@ from harness.jobrun_cli import event
 from harness.pgtools import server_major
 from jobrun import db, keys
 from jobrun.db import connecting
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import SessionLock
-from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

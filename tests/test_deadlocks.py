@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from harness import jobrun_cli
 from harness.pgserver import PgServer
-from jobrun import deadlocks
+from jobrun.analysis import deadlocks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

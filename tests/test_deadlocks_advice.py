@@ -14,8 +14,8 @@ from harness import overlap_scenarios
 from harness.jobrun_cli import JOBRUN
 from harness.overlap_scenarios import Scenario
 from harness.pgserver import PgServer
-from jobrun import deadlocks
-from jobrun.deadlocks.advice import suggest
+from jobrun.analysis import deadlocks
+from jobrun.analysis.deadlocks.advice import suggest
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

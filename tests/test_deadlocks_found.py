@@ -32,9 +32,9 @@ from test_deadlocks_wild import as_syslog
 
 from harness import jobrun_cli
 from harness.pgserver import PgServer
-from jobrun import deadlocks
-from jobrun.deadlocks import catalog, language
-from jobrun.throwaway import PGBIN_ENV
+from jobrun.analysis import deadlocks
+from jobrun.analysis.deadlocks import catalog, language
+from jobrun.ops.throwaway import PGBIN_ENV
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -599,7 +599,7 @@ class TestCraftedLines:
 
     def test_endless_wrapped_lines_are_cut_at_the_line_limit(self, tmp_path):
         """Unindented lines after a long one (a wrap, joined) past 8 MiB: cut there, said."""
-        from jobrun.deadlocks import sources  # noqa: PLC0415
+        from jobrun.analysis.deadlocks import sources  # noqa: PLC0415
 
         log = tmp_path / "wrapped.log"
         piece = "y" * 1023 + "\n"

@@ -7,8 +7,8 @@ import json
 from typing import TYPE_CHECKING
 
 from harness import jobrun_cli
-from jobrun import deadlocks
-from jobrun.deadlocks import scan, sources
+from jobrun.analysis import deadlocks
+from jobrun.analysis.deadlocks import scan, sources
 from jobrun.exitcodes import Exit
 
 if TYPE_CHECKING:

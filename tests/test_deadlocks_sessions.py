@@ -20,10 +20,10 @@ import pytest
 
 from harness import jobrun_cli
 from harness.pgserver import PgServer
-from jobrun import deadlocks
-from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.sessions import SessionLog
-from jobrun.deadlocks.storms import moment
+from jobrun.analysis import deadlocks
+from jobrun.analysis.deadlocks.model import Entry
+from jobrun.analysis.deadlocks.sessions import SessionLog
+from jobrun.analysis.deadlocks.storms import moment
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import jobrun_cli
-from jobrun import deadlocks
+from jobrun.analysis import deadlocks
 
 if TYPE_CHECKING:
     from pathlib import Path

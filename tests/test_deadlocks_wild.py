@@ -26,7 +26,7 @@ from test_deadlocks import (  # the same private logging server and deadlock, on
 )
 
 from harness import jobrun_cli
-from jobrun import deadlocks
+from jobrun.analysis import deadlocks
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -20,8 +20,8 @@ from harness import jobrun_cli
 from jobrun.cli import cli, reference
 from jobrun.exitcodes import TABLE
 from jobrun.locks import Holder
-from jobrun.status import status_table
-from jobrun.status.collect import KeyStatus
+from jobrun.ops.status import status_table
+from jobrun.ops.status.collect import KeyStatus
 
 if TYPE_CHECKING:
     from _pytest.mark.structures import ParameterSet

@@ -15,9 +15,9 @@ from psycopg.conninfo import make_conninfo
 
 from harness import jobrun_cli
 from jobrun.cli.ops import doctor_command
-from jobrun.doctor.capacity import LOCK_TABLE_FAIL, LOCK_TABLE_WARN
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import ensure_schema
+from jobrun.ops.doctor.capacity import LOCK_TABLE_FAIL, LOCK_TABLE_WARN
 
 if TYPE_CHECKING:
     from collections.abc import Callable

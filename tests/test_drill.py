@@ -17,8 +17,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from harness import jobrun_cli
-from jobrun import background, db, drill, keys
+from jobrun import db, keys
 from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.ops import background, drill
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -18,9 +18,9 @@ import structlog
 from harness import jobrun_cli
 from harness.jobrun_cli import event, wait_for_file, wait_until
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import CONFIRMATION_LIFETIME, SessionLock
-from jobrun.session import ServerSession
 from support.history import rows_of
 
 if TYPE_CHECKING:

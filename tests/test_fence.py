@@ -17,7 +17,8 @@ from psycopg import errors
 from psycopg.conninfo import make_conninfo
 
 from harness import jobrun_cli as cli
-from jobrun import db, fence, log
+from jobrun import db, log
+from jobrun.run import fence
 from support.sessions import SessionCounter
 
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "operators.md").read_text()

@@ -15,9 +15,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from harness import jobrun_cli
 from harness.jobrun_cli import wait_until
-from jobrun import alerts
 from jobrun.exitcodes import UsageError
 from jobrun.history.config import iso
+from jobrun.run import alerts
 from support.history import Run, history_config, holder, hook, hook_calls, rows_of
 
 

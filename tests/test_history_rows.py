@@ -214,7 +214,7 @@ class TestOncePer:
             "import psycopg\n"
             "from jobrun import db, keys, log\n"
             "from jobrun.history.config import HistoryConfig\n"
-            "from jobrun.history.recorder import Recorder\n"
+            "from jobrun.run.recorder import Recorder\n"
             "from jobrun.locks import Identity\n"
             "dsn, key, host, out = sys.argv[1:]\n"
             "with psycopg.connect(dsn, autocommit=True, application_name='once-per-test') as c:\n"

@@ -17,13 +17,13 @@ from psycopg.rows import dict_row
 
 from harness import jobrun_cli
 from jobrun import db, sql
-from jobrun.doctor.finding import WARN
-from jobrun.doctor.history_scale import history_scale
 from jobrun.history.calls import ensure_schema
 from jobrun.history.upgrade import upgrade
+from jobrun.ops.doctor.finding import WARN
+from jobrun.ops.doctor.history_scale import history_scale
+from jobrun.ops.status.collect import _slot_ids, collect
 from jobrun.sql import history as history_sql
 from jobrun.sql import status as status_sql
-from jobrun.status.collect import _slot_ids, collect
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping

@@ -9,10 +9,10 @@ import pytest
 import structlog
 
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
-from jobrun.session import ServerSession
 
 #: Long enough that the test never reaches a renewal by the clock: it moves the clock itself.
 RENEW_EVERY = 3600.0

@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import jobrun_cli as cli
-from jobrun import keys, log, status
+from jobrun import keys, log
 from jobrun.exitcodes import Exit
 from jobrun.locks import Holder
+from jobrun.ops import status
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

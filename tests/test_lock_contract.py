@@ -16,12 +16,12 @@ import structlog
 
 from harness.memory import MemoryLock, MemoryStore
 from harness.pgtools import terminate_backend
-from jobrun import db, keys, slots, sql
+from jobrun import db, keys, sql
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
-from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
+from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id, slots
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
-from jobrun.session import ServerSession
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -12,10 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import jobrun_cli
-from jobrun import db, keys, log, metrics
-from jobrun.history.notify import NoHistory, Notifier
-from jobrun.history.recorder import Recorder
+from jobrun import db, keys, log
 from jobrun.locks import Identity
+from jobrun.run import metrics
+from jobrun.run.notify import NoHistory, Notifier
+from jobrun.run.recorder import Recorder
 from support.history import history_config
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Each option is said once: the run's in jobrun/settings.py, the shared ones in cli/options."""
+"""Each option is said once: the run's in jobrun/run/settings.py, the shared ones in flags.py."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 import pytest
 
-from jobrun.cli import cli, options
+from jobrun import flags
+from jobrun.cli import cli
 from jobrun.cli.overlap import overlap_command
 from jobrun.cli.tools import drill_command
 from jobrun.exitcodes import UsageError
-from jobrun.settings import KEY_NAMES, LOCK_IDS, OPTION, Settings
+from jobrun.run.settings import KEY_NAMES, LOCK_IDS, OPTION, Settings
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jobrun"
 #: The fields of Settings worked out from the options rather than read from one.
@@ -77,7 +78,7 @@ class TestSaidOnce:
 
     @pytest.mark.parametrize("name", sorted(run_options()))
     def test_every_run_flag_is_declared_in_one_place(self, name):
-        """The package declares each run option's flag once (options.py or settings.py)."""
+        """The package declares each run option's flag once (flags.py or settings.py)."""
         flag = run_options()[name].opts[0]
         assert len(declarations_of(flag)) == 1, declarations_of(flag)
 
@@ -99,9 +100,9 @@ class TestSharedDeclarations:
     @pytest.mark.parametrize(
         ("name", "declaration", "default"),
         [
-            ("ttl", options.ttl, "10s"),
-            ("kill_after", options.kill_after, "2s"),
-            ("heartbeat", options.heartbeat, None),
+            ("ttl", flags.ttl, "10s"),
+            ("kill_after", flags.kill_after, "2s"),
+            ("heartbeat", flags.heartbeat, None),
         ],
     )
     def test_drill_takes_the_runs_timing_options(self, name, declaration, default):
@@ -116,7 +117,7 @@ class TestSharedDeclarations:
         """overlap's --timeout: the run's kind, its own default, and no variable."""
         param = params(overlap_command)["timeout"]
         assert isinstance(param, click.Option)
-        assert param.type is options.timeout.kind
+        assert param.type is flags.timeout.kind
         assert param.default == "60s"
         assert param.envvar is None
 

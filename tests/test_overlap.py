@@ -20,10 +20,11 @@ from click.testing import CliRunner
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from harness import jobrun_cli, overlap_scenarios
-from jobrun import db, overlap
+from jobrun import db
+from jobrun.analysis import overlap
+from jobrun.analysis.overlap.model import SessionRow
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
-from jobrun.overlap.model import SessionRow
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from harness import overlap_scenarios
+from jobrun.analysis.overlap import advice
+from jobrun.analysis.overlap.model import Lock, Wait
 from jobrun.cli.overlap import overlap_command
-from jobrun.overlap import advice
-from jobrun.overlap.model import Lock, Wait
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from harness import overlap_scenarios
 from jobrun.cli.overlap import overlap_command
 from jobrun.exitcodes import UsageError
-from jobrun.supervise import ExecFailed
+from jobrun.run.supervise import ExecFailed
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

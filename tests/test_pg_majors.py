@@ -16,10 +16,10 @@ from psycopg.conninfo import conninfo_to_dict
 
 from harness import jobrun_cli
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import Exit
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.session import SessionLock
-from jobrun.session import ServerSession
 
 #: server_version_num of the first major with idle_session_timeout and
 #: client_connection_check_interval.

@@ -23,8 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import jobrun_cli as cli
-from jobrun import log, ping
+from jobrun import log
 from jobrun.exitcodes import UsageError
+from jobrun.run import ping
 from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from harness import jobrun_cli as cli
-from jobrun import ping
+from jobrun.run import ping
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -28,11 +28,12 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from harness import jobrun_cli
-from jobrun import log, status
+from jobrun import log
 from jobrun.cli import main
 from jobrun.exitcodes import Exit
 from jobrun.locks import Holder
-from jobrun.status import kept
+from jobrun.ops import status
+from jobrun.ops.status import kept
 from support import EXAMPLES_PROPERTY
 
 SECRET = "s3cr3tpw"  # noqa: S105 - the password the output must never show

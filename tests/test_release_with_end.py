@@ -7,11 +7,11 @@ import pytest
 import structlog
 
 from jobrun import db, keys
+from jobrun.db.server_session import ServerSession
 from jobrun.history.calls import Calls
 from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
-from jobrun.session import ServerSession
 
 
 def made(mode: str, dsn: str, name: str, *, fence: bool = False) -> tuple[Lock, ServerSession]:

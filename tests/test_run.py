@@ -861,7 +861,8 @@ class TestMinHold:
 #: pid (the child's group includes a grandchild that PDEATHSIG alone would not stop).
 BROKEN_SUPERVISOR = """
 import sys, time
-from jobrun import cli, supervise
+from jobrun import cli
+from jobrun.run import supervise
 
 def written(path):
     try:
@@ -985,7 +986,7 @@ class TestSpawnedFromTheMainThread:
 
     def test_a_spawn_from_another_thread_is_refused(self):
         """A thread that ends would take the child with it: spawn refuses to run there."""
-        from jobrun import supervise  # noqa: PLC0415 - the unit under test, in-process
+        from jobrun.run import supervise  # noqa: PLC0415 - the unit under test, in-process
 
         raised: list[BaseException] = []
 
@@ -1004,7 +1005,7 @@ class TestSpawnedFromTheMainThread:
 
     def test_the_main_thread_spawns(self):
         """From the main thread the child starts and is reaped as usual."""
-        from jobrun import supervise  # noqa: PLC0415
+        from jobrun.run import supervise  # noqa: PLC0415
 
         child = supervise.spawn(["true"], os.environ, frozenset())
         assert child.wait(timeout=30) == 0

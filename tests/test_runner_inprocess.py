@@ -21,12 +21,13 @@ import structlog
 from structlog.testing import LogCapture
 
 from harness.memory import MemoryLock, MemoryStore, forked, run_in_process
-from jobrun import keys, supervise
+from jobrun import keys
 from jobrun.exitcodes import Exit
-from jobrun.job import Job
-from jobrun.listeners import Listener
 from jobrun.locks import Taken
 from jobrun.procs import process_gone
+from jobrun.run import supervise
+from jobrun.run.job import Job
+from jobrun.run.listeners import Listener
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

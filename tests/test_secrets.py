@@ -19,12 +19,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import jobrun_cli
-from jobrun import db, log, masking, tail
+from jobrun import db, log, masking
 from jobrun.cli import cli
 from jobrun.history.config import HistoryConfig
-from jobrun.history.notify import Notifier
 from jobrun.locks import Identity
-from jobrun.settings import Settings
+from jobrun.run import tail
+from jobrun.run.notify import Notifier
+from jobrun.run.settings import Settings
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -20,12 +20,12 @@ from harness import jobrun_cli
 from harness.jobrun_cli import event, events, wait_for_file, wait_until
 from harness.pgserver import PgServer
 from harness.pgtools import RunAs, make_private_dir
-from jobrun.doctor.server import network_peer
 from jobrun.history.config import CALL_TIMEOUT
 from jobrun.keys import lock_id_for
 from jobrun.locks.lease import LeaseTiming
 from jobrun.locks.session import CONFIRMATION_LIFETIME
-from jobrun.throwaway import find_pg_bin
+from jobrun.ops.doctor.server import network_peer
+from jobrun.ops.throwaway import find_pg_bin
 from support.history import ensure_runs_table
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import time
 import psycopg
 
 from jobrun import db
-from jobrun.session import ServerSession
+from jobrun.db.server_session import ServerSession
 
 
 class TestBoundedUse:

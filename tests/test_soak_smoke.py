@@ -12,10 +12,10 @@ import pytest
 import structlog
 
 from jobrun import db, keys, sql
+from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.locks import Identity, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
-from jobrun.session import ServerSession
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = ROOT / "benchmarks" / "soak.py"

@@ -25,8 +25,8 @@ from jobrun.cli.ops import (
     status_command,
 )
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
-from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity, lease
+from jobrun.run.recorder import Recorder
 from support.history import history_config
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from harness.pgbouncer import PgBouncer
 from harness.pgserver import PgServer
 from harness.pgtools import TEMP_ROOT_ENV, PgServerError
 from harness.proxy import TcpProxy
-from jobrun.throwaway import PGBIN_ENV, NoPostgresError, find_pg_bin
+from jobrun.ops.throwaway import PGBIN_ENV, NoPostgresError, find_pg_bin
 
 if TYPE_CHECKING:
     from collections.abc import Callable

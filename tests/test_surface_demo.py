@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrun import throwaway
+from jobrun.ops import throwaway
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

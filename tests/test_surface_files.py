@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from harness import jobrun_cli as cli
-from jobrun import log, metrics
+from jobrun import log
+from jobrun.run import metrics
 
 if TYPE_CHECKING:
     from pathlib import Path

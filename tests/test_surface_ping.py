@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from harness import jobrun_cli as cli
-from jobrun import ping
+from jobrun.run import ping
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

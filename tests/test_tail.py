@@ -20,8 +20,8 @@ from psycopg.conninfo import make_conninfo
 
 from harness import jobrun_cli as cli
 from harness.pgtools import create_database, drop_database
-from jobrun import tail
 from jobrun.exitcodes import UsageError
+from jobrun.run import tail
 from tests.support import blocked_signals, started_threads
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from harness import jobrun_cli
-from jobrun.timeline import model
+from jobrun.analysis.timeline import model
 from support.history import ensure_runs_table
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import psycopg
 from test_timeline import Elements, chromium, headless
 
 from harness import jobrun_cli
-from jobrun.timeline import model
+from jobrun.analysis.timeline import model
 from support.history import ensure_runs_table
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ import pytest
 
 from harness import jobrun_cli
 from harness.jobrun_cli import wait_for_file
-from jobrun import db, waiting
+from jobrun import db
+from jobrun.run import waiting
 
 if TYPE_CHECKING:
     import subprocess

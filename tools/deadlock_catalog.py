@@ -1,4 +1,4 @@
-"""Regenerate jobrun/deadlocks/catalog.py from PostgreSQL's own message catalogs (.mo files).
+"""Regenerate analysis/deadlocks/catalog.py from PostgreSQL's own message catalogs (.mo files).
 
 PostgreSQL writes its log messages in the language of ``lc_messages``; `jobrun deadlocks`
 reads the few it needs (severities, the deadlock, its DETAIL, lock waits, CONTEXT lines)

@@ -15,8 +15,8 @@ __all__ = ["cli", "main"]
 def __getattr__(name: str) -> Any:
     """``cli``, the run command, imported when first asked for.
 
-    WARNING: not with this package: the command is made from jobrun.settings, which uses
-    jobrun.cli.options; importing it here would leave jobrun.settings half made whenever it
+    WARNING: not with this package: the command is made from jobrun.run.settings, which uses
+    jobrun.flags; importing it here would leave jobrun.run.settings half made whenever it
     is imported first.
     """
     if name == "cli":

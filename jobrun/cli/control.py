@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import Exit, UsageError
@@ -30,7 +30,7 @@ reason_option = click.option(
 @reason_option
 @click.option(
     "--wait",
-    type=options.Duration(),
+    type=flags.Duration(),
     default=STOP_WAIT,
     show_default=True,
     metavar="DURATION",
@@ -42,7 +42,7 @@ reason_option = click.option(
     help="If the run has not ended after --wait, take its lock away (terminate its lock "
     "session, delete its lease).",
 )
-@options.database
+@flags.database
 def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     key_label: str,
     reason: str | None,
@@ -61,11 +61,12 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
     records, to be a run of KEY. Recorded as who asked: this database role (session_user);
     $USER only as a claim.
     """
-    from jobrun import control, keys, records
+    from jobrun import keys
     from jobrun.escape import printable
+    from jobrun.ops import control, records
 
     key_label = keys.normalized_label(key_label)
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-stop", doing="stopping the run"
     ) as conn:
         holder, labelled = records.held_if_recorded(conn, key_label)
@@ -110,7 +111,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
 @click.option(
     "--for",
     "for_",
-    type=options.Duration(minimum="1s", why="a pause lasts a while"),
+    type=flags.Duration(minimum="1s", why="a pause lasts a while"),
     metavar="DURATION",
     help="Pause for this long (default: until resumed).",
 )
@@ -121,7 +122,7 @@ def stop_command(  # noqa: PLR0917 - click passes one parameter per option
 )
 @reason_option
 @click.option("--new", is_flag=True, help="KEY has not run yet: pause it all the same.")
-@options.database
+@flags.database
 def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     key_label: str,
     for_: float | None,
@@ -138,14 +139,15 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     from psycopg import errors
 
-    from jobrun import control, keys, records
+    from jobrun import keys
     from jobrun.escape import printable
+    from jobrun.ops import control, records
 
     key_label = keys.normalized_label(key_label)
     if for_ is not None and until is not None:
         raise UsageError("--for and --until exclude each other")
     until_at = _time(until) if until is not None else None
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-pause", doing="pausing the key"
     ) as conn:
         records.require_recorded(
@@ -166,13 +168,14 @@ def pause_command(  # noqa: PLR0917 - click passes one parameter per option
 
 @click.command("resume", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_label", metavar="KEY")
-@options.database
+@flags.database
 def resume_command(key_label: str, dsn: str, connect_timeout: float) -> int:
     """End the pause of KEY: its next run goes ahead."""
-    from jobrun import keys, records
+    from jobrun import keys
+    from jobrun.ops import records
 
     key_label = keys.normalized_label(key_label)
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-resume", doing="resuming the key"
     ) as conn:
         was_paused = records.resume_if_recorded(conn, key_label)

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 from jobrun.exitcodes import UsageError
 
@@ -14,7 +14,7 @@ from jobrun.exitcodes import UsageError
 @click.command("forget", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_label", metavar="KEY")
 @click.option("--yes", is_flag=True, help="Do not ask: needed when stdin is not a terminal.")
-@options.database
+@flags.database
 def forget_command(key_label: str, yes: bool, dsn: str, connect_timeout: float) -> int:
     """Remove all that is recorded of a retired KEY: runs, skips, kept output, pauses.
 
@@ -22,7 +22,8 @@ def forget_command(key_label: str, yes: bool, dsn: str, connect_timeout: float) 
     that died. Refused (exit 1) while a run holds KEY, and when nothing of KEY was ever
     recorded. Asks first on a terminal; elsewhere --yes is required (exit 64 without it).
     """
-    from jobrun import keys, records
+    from jobrun import keys
+    from jobrun.ops import records
 
     key_label = keys.normalized_label(key_label)
     if not yes and not sys.stdin.isatty():
@@ -30,7 +31,7 @@ def forget_command(key_label: str, yes: bool, dsn: str, connect_timeout: float) 
             f"forget removes the whole history of {key_label}: add --yes "
             "(standard input is not a terminal to ask on)"
         )
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-forget", doing="forgetting the key"
     ) as conn:
         records.require_recorded(conn, key_label, need="run", hint="; nothing to forget")

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 import click
 from click import formatting
 
-from jobrun.cli.options import SUBCOMMAND_FOLLOWS
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import UsageError
+from jobrun.flags import SUBCOMMAND_FOLLOWS
 
 if TYPE_CHECKING:
     from collections.abc import Collection

@@ -29,8 +29,8 @@ SIGINT = 2
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run the command line and exit with its status; never a traceback for bad input."""
-    # Imported here, not with this module: jobrun.settings (which the command is made from)
-    # uses jobrun.cli.options, whose package imports this module. Before _interruptible():
+    # Imported here, not with this module: jobrun.run.settings (which the command is made from)
+    # uses jobrun.flags, whose package imports this module. Before _interruptible():
     # a Ctrl-C during the import still ends jobrun quietly (jobrun/__init__).
     from jobrun.cli.run import cli
 

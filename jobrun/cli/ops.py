@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, UsageError
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     show_default=True,
     help="With --check: a key failing this many times in a row is failing; 0: never.",
 )
-@options.wide
-@options.database
-@options.as_json
+@flags.wide
+@flags.database
+@flags.as_json
 def status_command(  # noqa: PLR0917 - click passes one parameter per option
     key_labels: tuple[str, ...],
     check: bool,
@@ -50,10 +50,11 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import json
 
-    from jobrun import keys, records, status
+    from jobrun import keys
+    from jobrun.ops import records, status
 
     key_labels = tuple(keys.normalized_label(label) for label in key_labels)
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-status", doing="reading the status"
     ) as conn:
         found = status.collect(conn, key_labels)
@@ -85,7 +86,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
 
 @click.command("history", cls=Subcommand, takes=("dsn", "connect_timeout"), keys_as="label")
 @click.argument("key_label", metavar="KEY")
-@options.count("--limit", default=20, help_text="Show this many runs, newest first.")
+@flags.count("--limit", default=20, help_text="Show this many runs, newest first.")
 @click.option(
     "--overlapping",
     "other_label",
@@ -94,12 +95,12 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
 )
 @click.option(
     "--since",
-    type=options.Duration(),
+    type=flags.Duration(),
     metavar="DURATION",
     help="With --overlapping: only runs of KEY that started within this long, e.g. 30d.",
 )
-@options.database
-@options.as_json
+@flags.database
+@flags.as_json
 def history_command(  # noqa: PLR0917 - click passes one parameter per option
     key_label: str,
     limit: int,
@@ -117,7 +118,8 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import json
 
-    from jobrun import keys, status
+    from jobrun import keys
+    from jobrun.ops import status
 
     key_label = keys.normalized_label(key_label)
     if other_label is not None:
@@ -125,7 +127,7 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
     elif since is not None:
         raise UsageError("--since goes with --overlapping")
     if other_label is not None:
-        with options.connected(
+        with flags.connected(
             dsn, connect_timeout, app_name="jobrun-history", doing="reading the history"
         ) as conn:
             pairs = status.overlapping(conn, key_label, other_label, since=since, limit=limit)
@@ -136,7 +138,7 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
         else:
             click.echo(f"no run of {key_label} overlapped a run of {other_label}")
         return 0
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-history", doing="reading the history"
     ) as conn:
         runs = status.runs_of(conn, key_label, limit)
@@ -155,9 +157,9 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
 
 
 @click.command("doctor", cls=Subcommand, takes=("dsn", "connect_timeout", "mode"))
-@options.database
-@options.mode("Judge the database for this lock mode.")
-@options.as_json
+@flags.database
+@flags.mode("Judge the database for this lock mode.")
+@flags.as_json
 def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -> int:
     """Check what a run depends on: server, role, schema, pooler, settings, capacity, logging.
 
@@ -167,9 +169,10 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
     """
     import json
 
-    from jobrun import db, doctor
+    from jobrun import db
+    from jobrun.ops import doctor
 
-    where = options.target(dsn, connect_timeout)
+    where = flags.target(dsn, connect_timeout)
     with db.connect(where, app_name="jobrun-doctor") as conn:
         findings = doctor.diagnose(conn, where, mode=mode)
     if as_json:
@@ -181,7 +184,7 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
 
 @click.command("deadlocks", cls=Subcommand)
 @click.argument("logfiles", nargs=-1, required=True, metavar="LOGFILE...")
-@options.log_line_prefix
+@flags.log_line_prefix
 @click.option("--check", is_flag=True, help="Exit 1 when the logs hold any deadlock.")
 @click.option(
     "--sessions",
@@ -205,8 +208,8 @@ def doctor_command(dsn: str, connect_timeout: float, mode: str, as_json: bool) -
     help="journalctl -o json of the jobs' units: the units running at each deadlock. "
     "Implies --sessions.",
 )
-@options.assume_duration
-@options.as_json
+@flags.assume_duration
+@flags.as_json
 def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     logfiles: tuple[str, ...],
     prefix: str | None,
@@ -229,8 +232,8 @@ def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     """
     import datetime as dt
 
-    from jobrun import deadlocks
-    from jobrun.deadlocks.together import Asked
+    from jobrun.analysis import deadlocks
+    from jobrun.analysis.deadlocks.together import Asked
 
     asked = (
         Asked(cron_logs, journals, dt.timedelta(seconds=assume_duration))
@@ -250,7 +253,7 @@ def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     help="The kept bytes exactly as the job wrote them, terminal escapes included; "
     "refused (64) when standard output is a terminal.",
 )
-@options.database
+@flags.database
 def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> int:
     """Print the output tails a failed run kept (--keep-output), by its run id or KEY.
 
@@ -262,15 +265,15 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     """
     import sys
 
-    from jobrun import runids, tenants
-    from jobrun.status import kept
+    from jobrun.ops import runids, tenants
+    from jobrun.ops.status import kept
 
     if raw and sys.stdout.isatty():
         raise UsageError(
             "--raw writes the job's bytes as they are, terminal escapes included: "
             "not to a terminal (redirect it to a file or a pipe)"
         )
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-show", doing="reading the run"
     ) as conn:
         try:
@@ -291,7 +294,8 @@ def _refuse_unless_granted(conn: psycopg.Connection[Any], text: str) -> None:
 
     (A run id names no key: a run this role may not see stays "no such run".)
     """
-    from jobrun import keys, records
+    from jobrun import keys
+    from jobrun.ops import records
 
     try:
         label = keys.normalized_label(text)

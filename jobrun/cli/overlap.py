@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from jobrun import overlap
+    from jobrun.analysis import overlap
 
 
 @click.command("overlap", cls=Subcommand, takes=("dsn", "connect_timeout"))
@@ -28,12 +28,10 @@ if TYPE_CHECKING:
     help="Instead of --first/--second: one of several commands (give it 2+ times); every "
     "pair is run against each other in both orders, and a matrix printed.",
 )
-@options.count(
-    "--runs", default=10, help_text="Attempts to make (with --job: per pair, at least 2)."
-)
-@options.database
+@flags.count("--runs", default=10, help_text="Attempts to make (with --job: per pair, at least 2).")
+@flags.database
 # No variable: JOBRUN_TIMEOUT bounds a run, not an attempt of two commands.
-@options.timeout.but(
+@flags.timeout.but(
     default="60s",
     help="Per attempt: then both commands' process groups are killed.",
     variable=False,
@@ -55,7 +53,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="alternate: A and B take turns going first; as-given: A always goes first.",
 )
-@options.as_json
+@flags.as_json
 def overlap_command(
     *,
     first: str | None,
@@ -91,9 +89,9 @@ def overlap_command(
     """
     import json
 
-    from jobrun import overlap
+    from jobrun.analysis import overlap
+    from jobrun.analysis.overlap import matrix
     from jobrun.exitcodes import UsageError
-    from jobrun.overlap import matrix
 
     if jobs and (first is not None or second is not None):
         raise UsageError("--job replaces --first and --second: give one form or the other")
@@ -105,7 +103,7 @@ def overlap_command(
     plan = overlap.Plan(
         first=commands[0] if commands else overlap.parse_command(str(first), option="--first"),
         second=commands[-1] if commands else overlap.parse_command(str(second), option="--second"),
-        target=options.target(dsn, connect_timeout),
+        target=flags.target(dsn, connect_timeout),
         runs=runs,
         timeout=timeout,
         start=start_mode,
@@ -148,7 +146,7 @@ class _Progress:
 
     def __call__(self, attempt: overlap.Attempt) -> None:
         """Show how ``attempt`` ended."""
-        from jobrun import overlap
+        from jobrun.analysis import overlap
 
         line = (
             f"jobrun overlap: attempt {attempt.number}/{self._runs}: {attempt.outcome} "
@@ -170,7 +168,7 @@ class _Progress:
 
 def _pair_progress(runs: int) -> Callable[[int, int, overlap.Attempt], None]:
     """One stderr line per finished attempt of a pair of --job commands."""
-    from jobrun import overlap
+    from jobrun.analysis import overlap
 
     def show(first: int, second: int, attempt: overlap.Attempt) -> None:
         click.echo(

@@ -7,11 +7,10 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
-from jobrun import __version__
-from jobrun.cli import options
+from jobrun import __version__, flags
 from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
-from jobrun.settings import KEY_NAMES, LOCK_IDS, Settings
+from jobrun.run.settings import KEY_NAMES, LOCK_IDS, Settings
 
 if TYPE_CHECKING:
     from jobrun import keys  # here, not with the module: --help has no use for it
@@ -30,7 +29,7 @@ KEY_VARIABLES = {option.param_name: option.envvar for option in (KEY_NAMES, LOCK
     epilog=PLACEMENT_RULE,
 )
 @click.version_option(__version__, "--version", prog_name="jobrun", message="%(prog)s %(version)s")
-@options.stack(KEY_NAMES, LOCK_IDS, *Settings.declarations())
+@flags.stack(KEY_NAMES, LOCK_IDS, *Settings.declarations())
 @click.pass_context
 def cli(ctx: click.Context, /, **params: Any) -> int | None:
     """Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
@@ -65,7 +64,7 @@ def cli(ctx: click.Context, /, **params: Any) -> int | None:
         run_keys=run_keys,
         dsn_on_command_line=ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE,
     )
-    from jobrun import assemble  # a run's whole assembly: not imported for --help
+    from jobrun.run import assemble  # a run's whole assembly: not imported for --help
 
     return assemble.run(argv, settings)
 
@@ -85,14 +84,14 @@ def _old_fence_variable(ctx: click.Context) -> bool:
     """
     import os
 
-    raw = os.environ.get(options.OLD_FENCE_VARIABLE)
+    raw = os.environ.get(flags.OLD_FENCE_VARIABLE)
     if raw is None or ctx.get_parameter_source("fence") != ParameterSource.DEFAULT:
         return False
     try:
         return bool(click.BOOL.convert(raw, None, ctx))
     except click.BadParameter:
         raise UsageError(
-            f"{options.OLD_FENCE_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
+            f"{flags.OLD_FENCE_VARIABLE} (the old variable for --fence): {raw!r} is not a boolean"
         ) from None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 from jobrun.exitcodes import UsageError
 
@@ -15,7 +15,7 @@ print_sql_option = click.option(
 
 @click.command("init", cls=Subcommand, takes=("dsn", "connect_timeout"))
 @print_sql_option
-@options.database
+@flags.database
 def init_command(print_sql: bool, dsn: str, connect_timeout: float) -> int:
     """Protect jobrun's tables in a database shared by several teams (run once, as owner).
 
@@ -24,12 +24,12 @@ def init_command(print_sql: bool, dsn: str, connect_timeout: float) -> int:
     and the NOLOGIN roles jobrun_operator and jobrun_reader where this role may create
     roles. Safe to run again; history written before stays, readable by those granted it.
     """
-    from jobrun import tenants
+    from jobrun.ops import tenants
 
     if print_sql:
         click.echo(tenants.init_script(), nl=False)
         return 0
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-init", doing="initialising jobrun's schema"
     ) as conn:
         notes = tenants.init(conn)
@@ -53,7 +53,7 @@ def init_command(print_sql: bool, dsn: str, connect_timeout: float) -> int:
 @click.option("--reader", is_flag=True, help="Read status and history, never kept output.")
 @click.option("--revoke", is_flag=True, help="Take back every grant of ROLE (or of --keys).")
 @print_sql_option
-@options.database
+@flags.database
 def grant_command(  # noqa: PLR0917 - click passes one parameter per option
     role: str,
     patterns: tuple[str, ...],
@@ -69,8 +69,8 @@ def grant_command(  # noqa: PLR0917 - click passes one parameter per option
     PostgreSQL enforces it: the role cannot see, write, stop, pause or take the lock of
     another key's runs in any jobrun table.
     """
-    from jobrun import tenants
     from jobrun.escape import printable
+    from jobrun.ops import tenants
 
     if sum((operator, reader, revoke)) > 1:
         raise UsageError("--operator, --reader and --revoke exclude each other")
@@ -87,7 +87,7 @@ def grant_command(  # noqa: PLR0917 - click passes one parameter per option
     if print_sql:
         click.echo(tenants.as_text(tenants.grant_statements(request)), nl=False)
         return 0
-    with options.connected(dsn, connect_timeout, app_name="jobrun-grant", doing="granting") as conn:
+    with flags.connected(dsn, connect_timeout, app_name="jobrun-grant", doing="granting") as conn:
         tenants.grant(conn, request)
     what = "revoked" if revoke else f"granted {kind}"
     keys = f" keys {', '.join(request.patterns)}" if request.patterns else ""
@@ -96,16 +96,16 @@ def grant_command(  # noqa: PLR0917 - click passes one parameter per option
 
 
 @click.command("grants", cls=Subcommand, takes=("dsn", "connect_timeout"))
-@options.database
-@options.as_json
+@flags.database
+@flags.as_json
 def grants_command(dsn: str, connect_timeout: float, as_json: bool) -> int:
     """Who may do what: each role's grants (job, operator, reader) and their key patterns."""
     import json
 
-    from jobrun import tenants
     from jobrun.escape import printable
+    from jobrun.ops import tenants
 
-    with options.connected(
+    with flags.connected(
         dsn, connect_timeout, app_name="jobrun-grants", doing="reading the grants"
     ) as conn:
         rows = tenants.grants(conn)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from jobrun.cli import options
+from jobrun import flags
 from jobrun.cli.group import Subcommand
 from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
@@ -17,7 +17,7 @@ DEFAULT_LIMIT = 20_000
 @click.argument("key_labels", nargs=-1, metavar="[KEY]...")
 @click.option(
     "--since",
-    type=options.Duration(minimum="1s"),
+    type=flags.Duration(minimum="1s"),
     default="30d",
     show_default=True,
     metavar="DURATION",
@@ -33,7 +33,7 @@ DEFAULT_LIMIT = 20_000
     help="A PostgreSQL server log: each deadlock in it is marked on the runs its sides "
     "name (else on a database lane).",
 )
-@options.log_line_prefix
+@flags.log_line_prefix
 @click.option(
     "--sessions-from",
     "sessions_from",
@@ -56,7 +56,7 @@ DEFAULT_LIMIT = 20_000
     metavar="FILE",
     help="journalctl -o json of the jobs' units: a lane per unit, a bar per run.",
 )
-@options.assume_duration
+@flags.assume_duration
 @click.option(
     "--limit",
     type=click.IntRange(1, 1_000_000),
@@ -64,7 +64,7 @@ DEFAULT_LIMIT = 20_000
     show_default=True,
     help="Read at most this many runs and skips from the history (the newest).",
 )
-@options.database
+@flags.database
 def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     key_labels: tuple[str, ...],
     since: float,
@@ -97,7 +97,7 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
     import datetime as dt
 
     from jobrun import keys
-    from jobrun.timeline import model, render, sources
+    from jobrun.analysis.timeline import model, render, sources
 
     if html_path is None and svg_path is None:
         raise UsageError("say where to draw it: --html FILE or --svg FILE")
@@ -116,7 +116,7 @@ def timeline_command(  # noqa: PLR0917 - click passes one parameter per option
         assume=dt.timedelta(seconds=assume_duration),
     )
     if labels:
-        with options.connected(
+        with flags.connected(
             dsn, connect_timeout, app_name="jobrun-timeline", doing="reading the history"
         ) as conn:
             history = sources.history(conn, labels, since=since, limit=limit)

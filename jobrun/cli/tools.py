@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from jobrun import __version__, keys
-from jobrun.cli import options
+from jobrun import __version__, flags, keys
 from jobrun.cli.group import Subcommand
 from jobrun.exitcodes import UsageError
 
@@ -43,12 +42,12 @@ def key_command(names: tuple[str, ...]) -> int:
     keys_as="option",
 )
 @click.option("--key", "key_name", required=True, metavar="NAME", help="Key to drill with.")
-@options.mode("Lock mode of the drill's runs.")
+@flags.mode("Lock mode of the drill's runs.")
 # The run's own options; a drill's runs are short, so its waits are too.
-@options.ttl.but(default="10s")
-@options.kill_after.but(default="2s")
-@options.heartbeat
-@options.database
+@flags.ttl.but(default="10s")
+@flags.kill_after.but(default="2s")
+@flags.heartbeat
+@flags.database
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def drill_command(
     *,
@@ -74,7 +73,8 @@ def drill_command(
     passed, 1 if one failed, 69 if the database cannot be reached, 128+N when stopped by
     signal N (its runs are stopped too). Use a key no real job uses.
     """
-    from jobrun import _zipapp, db, drill
+    from jobrun import _zipapp, db
+    from jobrun.ops import drill
 
     key = keys.from_name(key_name)
     if mode == "lease":
@@ -84,7 +84,7 @@ def drill_command(
     plan = drill.Drill(
         key=key,
         mode=mode,
-        target=options.target(dsn, connect_timeout),
+        target=flags.target(dsn, connect_timeout),
         command=command or DRILL_COMMAND,
         ttl=ttl,
         kill_after=kill_after,
@@ -103,7 +103,7 @@ def drill_command(
 
 
 @click.command("demo", cls=Subcommand, takes=("dsn", "connect_timeout"))
-@options.database
+@flags.database
 def demo_command(dsn: str, connect_timeout: float) -> int:
     """See jobrun work: a run, a skip, a later run (a throwaway database unless one is named).
 
@@ -112,7 +112,7 @@ def demo_command(dsn: str, connect_timeout: float) -> int:
     that answers but refuses the connection (wrong user, password or database) is an error
     (exit 69), not a reason to use a throwaway one.
     """
-    from jobrun import demo, throwaway
+    from jobrun.ops import demo, throwaway
 
     try:
         return demo.run(dsn, click.echo, connect_timeout=connect_timeout)

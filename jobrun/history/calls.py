@@ -13,15 +13,15 @@ from psycopg import errors, pq
 from psycopg.rows import dict_row
 
 from jobrun import db, sql
+from jobrun.db.server_session import SILENCE_GRACE
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable
-from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.session import Ending, ServerSession
+    from jobrun.db.server_session import Ending, ServerSession
 
     Connection = psycopg.Connection[Any]
     Rows = list[dict[str, Any]]

@@ -75,7 +75,7 @@ class Lock(Protocol):
     ``acquire`` raises LockStoreUnavailable when the store cannot be used; ``check`` raises
     LockLost when the lock is provably gone and LockStoreUnavailable when this check could
     not tell (the watchdog then retries until ``confirmation_lifetime`` runs out). The
-    connection is not the lock's: the run opens its server session (``jobrun.session``)
+    connection is not the lock's: the run opens its server session (``jobrun.db.server_session``)
     and hands it to the lock, the history and the fence alike.
     """
 

@@ -11,6 +11,7 @@ import psycopg
 from psycopg import errors
 
 from jobrun import db, sql
+from jobrun.db.server_session import SILENCE_GRACE
 from jobrun.durations import format_seconds
 from jobrun.exitcodes import (
     NOT_GRANTED,
@@ -22,14 +23,13 @@ from jobrun.exitcodes import (
 from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
-from jobrun.session import SILENCE_GRACE
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.session import ServerSession
+    from jobrun.db.server_session import ServerSession
 
 #: Longest pause between two attempts while ``--wait`` lasts.
 _WAIT_POLL = 1.0
@@ -118,7 +118,7 @@ def timing(ttl: float, kill_after: float, heartbeat: float | None) -> tuple[floa
 class LeaseLock:
     """Leases in ``jobrun.leases``, renewed every ``renew_every`` seconds.
 
-    The run's server session (``jobrun.session``) carries the attempt and the release, and
+    The run's server session (``jobrun.db.server_session``) carries the attempt and the release, and
     between them (when it ``lends``) the history's calls. When it ``keeps`` its connection,
     every heartbeat (``check``, every ``heartbeat`` seconds) goes over it too, reopened
     after a failure; otherwise each check is a renewal on a connection of its own.

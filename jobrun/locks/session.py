@@ -24,7 +24,7 @@ from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.session import ServerSession
+    from jobrun.db.server_session import ServerSession
 
 #: Without a successful check for this long, we no longer vouch for the session: a cut
 #: network must be noticed well within 15 seconds (the kernel's tcp_user_timeout matches).
@@ -55,7 +55,7 @@ def holder_comment(identity: Identity) -> str:
 class SessionLock:
     """Advisory locks on the run's server session; the server frees them when it ends.
 
-    The session is the run's (``jobrun.session``): opened here, closed by the run after
+    The session is the run's (``jobrun.db.server_session``): opened here, closed by the run after
     ``release``; every statement on it carries ``session.comment``.
     """
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from psycopg import errors
 
-from jobrun import messages, sql
+from jobrun import sql
+from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError
 from jobrun.history.calls import ensure_schema
@@ -20,9 +21,9 @@ from jobrun.history.config import iso
 from jobrun.keys import LOCK_ID_PREFIX
 from jobrun.locks import Holder
 from jobrun.locks.session import session_holder
-from jobrun.slots import MAX_SLOTS, slot_lock_id
+from jobrun.locks.slots import MAX_SLOTS, slot_lock_id
+from jobrun.ops.status import lock_ids_of
 from jobrun.sql import control as control_statements
-from jobrun.status import lock_ids_of
 
 if TYPE_CHECKING:
     import datetime as dt

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql as pgsql
 
-from jobrun import _zipapp, db, keys, sql, throwaway
+from jobrun import _zipapp, db, keys, sql
 from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.ops import throwaway
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -15,9 +15,9 @@ import psycopg
 from psycopg.rows import class_row
 
 from jobrun import db, keys, procs, sql
-from jobrun.background import BackgroundRun
 from jobrun.exitcodes import Exit, Interrupted, LockStoreUnavailable, signal_status
-from jobrun.interrupts import Interrupts
+from jobrun.ops.background import BackgroundRun
+from jobrun.ops.interrupts import Interrupts
 
 if TYPE_CHECKING:
     import datetime as dt

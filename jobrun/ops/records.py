@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import errors
 
-from jobrun import control, messages, sql
+from jobrun import sql
+from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
+from jobrun.ops import control
 from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
 

@@ -255,7 +255,7 @@ def grants(conn: Connection) -> list[dict[str, object]]:
 
 def read_output(conn: Connection, run_id: str) -> Mapping[str, object] | None:
     """``jobrun show``'s run with its tails; OutputRefused for a role that may not read them."""
-    from jobrun import tail  # noqa: PLC0415 - only show reads output
+    from jobrun.run import tail  # noqa: PLC0415 - only show reads output
 
     try:
         return tail.read(conn, run_id)

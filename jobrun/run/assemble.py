@@ -15,12 +15,12 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
-    from jobrun.history.notify import NoHistory
-    from jobrun.history.recorder import Recorder
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity, Lock
-    from jobrun.session import ServerSession
-    from jobrun.settings import Settings
-    from jobrun.waiting import WaitReporter
+    from jobrun.run.notify import NoHistory
+    from jobrun.run.recorder import Recorder
+    from jobrun.run.settings import Settings
+    from jobrun.run.waiting import WaitReporter
 
 STDERR = 2
 
@@ -31,11 +31,12 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     The heavy parts (the lock modes, the history, the operators' modules) are imported
     here, and only those the settings use.
     """
-    from jobrun import db, log, masking, operators, runner
-    from jobrun.job import Job
+    from jobrun import db, log, masking
     from jobrun.locks import Identity, new_run_id
+    from jobrun.run import extras, runner
+    from jobrun.run.job import Job
 
-    extras = operators.validate(settings)
+    wanted = extras.validate(settings)
 
     run_keys = settings.run_keys
     target = db.Target(dsn=settings.dsn, connect_timeout=settings.connect_timeout)
@@ -97,7 +98,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     session = _session(settings, target, identity)
     lock: Lock
     if settings.slots > 1:
-        from jobrun import slots
+        from jobrun.locks import slots
 
         slot_keys = slots.slot_keys(run_keys[0], settings.slots)
         lock = slots.SlotLock(
@@ -112,7 +113,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
     if log_file_error is not None:
         bound.error("log_file_unavailable", error=log_file_error, note="events go to stderr")
     # Only now that every option is known to be valid: a usage error is one line, alone.
-    from jobrun.cli.options import OLD_FENCE_VARIABLE  # the option's own module names it
+    from jobrun.flags import OLD_FENCE_VARIABLE  # the option's own module names it
 
     if OLD_FENCE_VARIABLE in os.environ:
         bound.warning(
@@ -124,8 +125,8 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             hint="a password in --dsn is visible to every user in ps; "
             "use ~/.pgpass, PGPASSFILE or JOBRUN_DSN instead",
         )
-    listeners = operators.listeners(
-        extras,
+    listeners = extras.listeners(
+        wanted,
         target=target,
         lock=lock,
         session=session,
@@ -155,11 +156,12 @@ def _session(settings: Settings, target: db.Target, identity: Identity) -> Serve
     kept``), or open only between the lock's statements (``per-renewal``); with ``--slots``
     each attempt closes its own (no slot's connection is anyone else's).
     """
-    from jobrun import db, session
+    from jobrun import db
+    from jobrun.db.server_session import ServerSession
 
     app_name = db.application_name(keys.describe(settings.run_keys))
     if settings.mode == "lease":
-        return session.ServerSession(
+        return ServerSession(
             target,
             app_name=app_name,
             held=False,
@@ -168,9 +170,7 @@ def _session(settings: Settings, target: db.Target, identity: Identity) -> Serve
         )
     from jobrun.locks.session import holder_comment
 
-    return session.ServerSession(
-        target, app_name=app_name, held=True, comment=holder_comment(identity)
-    )
+    return ServerSession(target, app_name=app_name, held=True, comment=holder_comment(identity))
 
 
 def _beat(settings: Settings) -> float:
@@ -237,12 +237,12 @@ def _recorder(
     from pathlib import Path
 
     from jobrun import masking
-    from jobrun.history import notify, recorder
     from jobrun.history.config import HistoryConfig
+    from jobrun.run import notify, recorder
 
     on_alert = None
     if settings.on_alert:
-        from jobrun import alerts  # only a run with --on-alert pays for it (and shlex)
+        from jobrun.run import alerts  # only a run with --on-alert pays for it (and shlex)
 
         on_alert = alerts.parse_command(settings.on_alert)
     config = HistoryConfig(
@@ -292,7 +292,8 @@ def _pause_check(
     on the connection that took the lease (as the history's calls).
     """
     from jobrun import sql
-    from jobrun.history import calls, recorder
+    from jobrun.history import calls
+    from jobrun.run import recorder
 
     checker = calls.Calls(
         target,
@@ -333,7 +334,7 @@ def _waiting(
     """--wait: the lines a run says while it waits for its lock (none without --wait)."""
     if settings.wait <= 0:
         return None
-    from jobrun import waiting
+    from jobrun.run import waiting
 
     return waiting.WaitReporter(
         keys.describe(settings.run_keys), target, log, interval=settings.wait_report

@@ -1,6 +1,6 @@
 """The child's part of a run: start -> supervise -> finish (with the lock held, or not).
 
-``jobrun.runner`` owns the lifecycle around it (acquire or skip, consult the history,
+``jobrun.run.runner`` owns the lifecycle around it (acquire or skip, consult the history,
 release); this module spawns the child in its environment, supervises it under the
 watchdog, and tells the listeners how it ended.
 """
@@ -12,20 +12,20 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jobrun import supervise
 from jobrun.exitcodes import Exit, LockLost, from_wait_status
 from jobrun.keys import describe
+from jobrun.run import supervise
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.job import Job
-    from jobrun.listeners import Listeners
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity
-    from jobrun.session import ServerSession
-    from jobrun.watchdog import Watchdog
+    from jobrun.run.job import Job
+    from jobrun.run.listeners import Listeners
+    from jobrun.run.watchdog import Watchdog
 
 
 def child_environment(

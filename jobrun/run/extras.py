@@ -9,12 +9,12 @@ if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
     from jobrun import db
-    from jobrun.history.notify import NoHistory
-    from jobrun.history.recorder import Recorder
-    from jobrun.listeners import Listener
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity, Lock
-    from jobrun.session import ServerSession
-    from jobrun.settings import Settings
+    from jobrun.run.listeners import Listener
+    from jobrun.run.notify import NoHistory
+    from jobrun.run.recorder import Recorder
+    from jobrun.run.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,18 @@ class Options:
 def validate(settings: Settings) -> Options:
     """Parse the run command's operators' options (usage errors: exit 64) before anything runs.
 
-    How they go with the other options was checked with them (jobrun.settings.check).
+    How they go with the other options was checked with them (jobrun.run.settings.check).
 
     Each feature's module is imported only when its option is given: the run path stays lean.
     """
     url = None
     if settings.ping is not None:
-        from jobrun import ping as pings  # noqa: PLC0415 - only with --ping
+        from jobrun.run import ping as pings  # noqa: PLC0415 - only with --ping
 
         url = pings.parse_url(settings.ping)
     keep = 0
     if settings.keep_output is not None:
-        from jobrun import tail  # noqa: PLC0415 - only with --keep-output
+        from jobrun.run import tail  # noqa: PLC0415 - only with --keep-output
 
         keep = tail.parse_size(settings.keep_output)
     return Options(
@@ -78,8 +78,8 @@ def listeners(
     found: list[Listener] = []
     capture = None
     if options.keep_output:
-        from jobrun import tail  # noqa: PLC0415 - only with --keep-output
         from jobrun.masking import Masker  # noqa: PLC0415
+        from jobrun.run import tail  # noqa: PLC0415 - only with --keep-output
 
         # Masked as kept: the tails go to the history, the end ping and the hook.
         capture = tail.Capture(options.keep_output, masker=Masker(hidden))
@@ -89,14 +89,14 @@ def listeners(
             tail.KeptOutput(capture, target, identity.run_id, history=options.history, log=log)
         )
     if options.ping_url:
-        from jobrun import ping  # noqa: PLC0415 - only with --ping
+        from jobrun.run import ping  # noqa: PLC0415 - only with --ping
 
         pinger = ping.Pinger(
             options.ping_url, identity.run_id, timeout=options.ping_timeout, log=log
         )
         found.append(ping.PingListener(pinger, capture, body=options.ping_body))
     if options.fence:
-        from jobrun import fence  # noqa: PLC0415 - only with --fence
+        from jobrun.run import fence  # noqa: PLC0415 - only with --fence
 
         found.append(fence.Fence(target, lock, session, log=log))
     return found

@@ -8,14 +8,14 @@ from psycopg import errors
 
 from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.listeners import Listener
+from jobrun.run.listeners import Listener
 
 if TYPE_CHECKING:
     import psycopg
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Lock
-    from jobrun.session import ServerSession
 
 #: The variable the child reads its token from. Not ``JOBRUN_FENCE``: that is --fence's own
 #: variable, and a jobrun inside the child would read the token as the flag.

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from jobrun.history.config import HistoryConfig
     from jobrun.locks import Identity
-    from jobrun.tail import Capture
+    from jobrun.run.tail import Capture
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Notifier:
         """Write ``--metrics-file`` (streaks None: counted on from the file's values)."""
         if not self.config.metrics_file:
             return
-        from jobrun import metrics  # noqa: PLC0415 - only with --metrics-file: a lean run path
+        from jobrun.run import metrics  # noqa: PLC0415 - only with --metrics-file: a lean run path
 
         sample = metrics.Sample(
             key=self.label,
@@ -81,7 +81,7 @@ class Notifier:
             **fields,
         }
         if self.output is not None and self.output.used:
-            from jobrun import tail  # noqa: PLC0415 - only runs that keep output
+            from jobrun.run import tail  # noqa: PLC0415 - only runs that keep output
 
             event.update(tail.fields(self.output, limit=tail.ALERT_LIMIT))
         if defer:
@@ -98,7 +98,7 @@ class Notifier:
     def _run_hook(self, event: dict[str, object]) -> None:
         if not self.config.on_alert:
             return
-        from jobrun import alerts  # noqa: PLC0415 - only a run with --on-alert needs it
+        from jobrun.run import alerts  # noqa: PLC0415 - only a run with --on-alert needs it
 
         alerts.deliver(
             self.config.on_alert,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from jobrun import __version__, threads
 from jobrun.exitcodes import UsageError
-from jobrun.listeners import Listener
+from jobrun.run.listeners import Listener
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.tail import Capture
+    from jobrun.run.tail import Capture
 
 #: Default of ``--ping-timeout``: the longest one ping (all its attempts) may take.
 TIMEOUT = 5.0

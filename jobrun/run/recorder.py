@@ -12,8 +12,8 @@ from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
 from jobrun.history.calls import Calls
 from jobrun.history.config import FAILURES, holder_ref, iso, pause
-from jobrun.history.notify import Notifier
 from jobrun.keys import Key, describe, names
+from jobrun.run.notify import Notifier
 
 if TYPE_CHECKING:
     import datetime as dt
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.db.server_session import ServerSession
     from jobrun.history.config import HistoryConfig
     from jobrun.locks import Identity
-    from jobrun.session import ServerSession
 
 
 class Recorder:

@@ -1,7 +1,7 @@
 """One guarded run: acquire (or skip) -> start -> supervise -> finish -> release -> status.
 
 Who else hears of the run (history, output, pings, fence) are listeners composed around
-this lifecycle (``jobrun.listeners``); ``jobrun.assemble`` builds them from the settings.
+this lifecycle (``jobrun.run.listeners``); ``jobrun.run.assemble`` builds them from the settings.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import signal
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jobrun import supervise
-from jobrun.child import ChildRun
 from jobrun.exitcodes import (
     Exit,
     Interrupted,
     LockStoreUnavailable,
     interruption,
 )
-from jobrun.listeners import HistoryListener, Listeners
 from jobrun.locks import Holder
-from jobrun.watchdog import Watchdog
+from jobrun.run import supervise
+from jobrun.run.child import ChildRun
+from jobrun.run.listeners import HistoryListener, Listeners
+from jobrun.run.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
@@ -29,11 +29,11 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.job import Job
-    from jobrun.listeners import Listener, Recorder
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity, Lock, Taken
-    from jobrun.session import ServerSession
-    from jobrun.waiting import WaitReporter
+    from jobrun.run.job import Job
+    from jobrun.run.listeners import Listener, Recorder
+    from jobrun.run.waiting import WaitReporter
 
 
 def run(
@@ -194,7 +194,7 @@ class _GuardedRun:
         return self.job.skip_exit_code
 
     def _child(self) -> ChildRun:
-        """Start -> supervise -> finish: the child's part (``jobrun.child``)."""
+        """Start -> supervise -> finish: the child's part (``jobrun.run.child``)."""
         return ChildRun(self.job, self.session, self.identity, self.environ, self.log)
 
     def _unavailable(self, exc: LockStoreUnavailable, *, ends_run: bool, **fields: bool) -> None:

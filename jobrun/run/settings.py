@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from jobrun.cli import options
-from jobrun.cli.options import Duration, Option
+from jobrun import flags
 from jobrun.exitcodes import Exit, UsageError
+from jobrun.flags import Duration, Option
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -41,7 +41,7 @@ def option(
 #: variables (jobrun.cli.run).
 KEY_NAMES = Option(
     "--key",
-    options.Lines(),
+    flags.Lines(),
     name="key_names",
     multiple=True,
     metavar="NAME",
@@ -49,7 +49,7 @@ KEY_NAMES = Option(
 )
 LOCK_IDS = Option(
     "--lock-id",
-    options.Commas(),
+    flags.Commas(),
     name="lock_ids",
     multiple=True,
     metavar="INT",
@@ -73,10 +73,10 @@ class Settings:
     #: lease: how long a renewal vouches for the lease (session: unused).
     lifetime: float
 
-    dsn: str = declared(options.dsn, secret=True)
-    connect_timeout: float = declared(options.connect_timeout)
+    dsn: str = declared(flags.dsn, secret=True)
+    connect_timeout: float = declared(flags.connect_timeout)
     mode: str = declared(
-        options.mode(
+        flags.mode(
             "session: advisory lock on a held connection; lease: TTL row, works through poolers."
         )
     )
@@ -90,11 +90,11 @@ class Settings:
         help="While --wait lasts, say who holds the lock this often (still_waiting events).",
     )
     #: None: never (0 given).
-    timeout: float | None = declared(options.timeout)
-    kill_after: float = declared(options.kill_after)
+    timeout: float | None = declared(flags.timeout)
+    kill_after: float = declared(flags.kill_after)
     #: Worked out when not given: 1 s (session), from --ttl and --kill-after (lease).
-    heartbeat: float = declared(options.heartbeat)
-    ttl: float = declared(options.ttl)
+    heartbeat: float = declared(flags.heartbeat)
+    ttl: float = declared(flags.ttl)
     lease_connection: str = option(
         "--lease-connection",
         click.Choice(["kept", "per-renewal"]),
@@ -222,7 +222,7 @@ class Settings:
     )
     pass_env: tuple[str, ...] = option(
         "--pass-env",
-        options.PassedName(),
+        flags.PassedName(),
         multiple=True,
         metavar="NAME",
         help="Give the child and the hook this variable of jobrun's own that can hold a secret "
@@ -230,15 +230,15 @@ class Settings:
     )
     mask_env: tuple[str, ...] = option(
         "--mask-env",
-        options.VariableName(),
+        flags.VariableName(),
         multiple=True,
         metavar="NAME",
         help="Mask this variable's value (as ***) in kept output, pings and the alert hook's "
         "event, like the DSN's password (repeatable).",
     )
-    log_format: str = declared(options.log_format)
-    log_file: str | None = declared(options.log_file)
-    log_level: str = declared(options.log_level)
+    log_format: str = declared(flags.log_format)
+    log_file: str | None = declared(flags.log_file)
+    log_level: str = declared(flags.log_level)
 
     @classmethod
     def declarations(cls) -> tuple[Option, ...]:
@@ -267,7 +267,7 @@ class Settings:
             heartbeat, lifetime = lease.heartbeat, lease.lifetime
         check(given, run_keys)
         if given["ping"] is not None:
-            from jobrun import ping  # noqa: PLC0415 - only with --ping
+            from jobrun.run import ping  # noqa: PLC0415 - only with --ping
 
             # A check's UUID or slug alone becomes its URL here: the URL's secrets are
             # masked wherever a --ping URL is (kept output, the hook's event).
@@ -314,6 +314,6 @@ def _keeps_output(keep_output: str | None) -> bool:
     """Whether --keep-output keeps anything (``0`` keeps nothing)."""
     if keep_output is None:
         return False
-    from jobrun import tail  # noqa: PLC0415 - only with --keep-output
+    from jobrun.run import tail  # noqa: PLC0415 - only with --keep-output
 
     return tail.parse_size(keep_output) > 0

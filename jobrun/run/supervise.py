@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.watchdog import Watchdog
+    from jobrun.run.watchdog import Watchdog
 
 #: Signals jobrun passes on to the child's process group.
 FORWARDED = (

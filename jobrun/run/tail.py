@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from jobrun import threads
 from jobrun.exitcodes import UsageError
-from jobrun.listeners import Listener
+from jobrun.run.listeners import Listener
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -73,7 +73,8 @@ class WaitReporter:
 
     def _holder(self) -> dict[str, object]:
         """``holder_*`` fields of whoever holds the key now (empty when it cannot be told)."""
-        from jobrun import control, db  # noqa: PLC0415 - only a run that waits needs them
+        from jobrun import db  # noqa: PLC0415 - only a run that waits needs them
+        from jobrun.ops import control  # noqa: PLC0415
 
         try:
             with db.connect(self._target, app_name="jobrun-wait") as conn:

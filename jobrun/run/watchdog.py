@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
+    from jobrun.db.server_session import ServerSession
     from jobrun.locks import Lock
-    from jobrun.session import ServerSession
 
 
 class Watchdog:

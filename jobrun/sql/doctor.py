@@ -126,7 +126,7 @@ WHERE pg_has_role(current_user, r.oid, 'MEMBER')
 ORDER BY g.kind, g.pattern
 """
 
-#: The doctor's probes (jobrun.doctor.probe) send a run's own statements, in a transaction
+#: The doctor's probes (jobrun.ops.doctor.probe) send a run's own statements, in a transaction
 #: that is always rolled back; these few are their own. Whether ``jobrun init`` ran (then a
 #: role may only write rows of the keys it was granted).
 DOCTOR_PROBE_INITIALISED = "SELECT pg_catalog.to_regclass('jobrun.grants') IS NOT NULL"

@@ -14,11 +14,11 @@ import pytest
 from psycopg.rows import dict_row
 
 from jobrun import db, keys, log
+from jobrun.db.server_session import ServerSession
 from jobrun.history.calls import ensure_schema
 from jobrun.history.config import CALL_TIMEOUT, HistoryConfig
-from jobrun.history.recorder import Recorder
 from jobrun.locks import Identity
-from jobrun.session import ServerSession
+from jobrun.run.recorder import Recorder
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping

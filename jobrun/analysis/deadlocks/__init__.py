@@ -1,7 +1,7 @@
 """``jobrun deadlocks``: find every deadlock in PostgreSQL server logs and name both sides."""
 
-from jobrun.deadlocks.model import Deadlock
-from jobrun.deadlocks.render import describe, report, run
-from jobrun.deadlocks.scan import find
+from jobrun.analysis.deadlocks.model import Deadlock
+from jobrun.analysis.deadlocks.render import describe, report, run
+from jobrun.analysis.deadlocks.scan import find
 
 __all__ = ["Deadlock", "describe", "find", "report", "run"]

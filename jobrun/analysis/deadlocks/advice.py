@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrun.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.model import Deadlock
 
 #: ``ExclusiveLock on advisory lock [16384,0,42,1]``: database, key high, key low, 1 for
 #: one bigint key (2 for two int keys).

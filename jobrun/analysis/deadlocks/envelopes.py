@@ -11,7 +11,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from jobrun.deadlocks.sources import LINE_LIMIT
+from jobrun.analysis.deadlocks.sources import LINE_LIMIT
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator

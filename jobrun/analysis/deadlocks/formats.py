@@ -12,10 +12,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from jobrun.deadlocks import envelopes, records
-from jobrun.deadlocks.language import SEVERITY_WORDS, TRANSLATED_WORDS, has_deadlock_wording
-from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.prefix import (
+from jobrun.analysis.deadlocks import envelopes, records
+from jobrun.analysis.deadlocks.language import (
+    SEVERITY_WORDS,
+    TRANSLATED_WORDS,
+    has_deadlock_wording,
+)
+from jobrun.analysis.deadlocks.model import Entry
+from jobrun.analysis.deadlocks.prefix import (
     PREFIX_WINDOW,
     Layout,
     PrefixChooser,
@@ -23,12 +27,12 @@ from jobrun.deadlocks.prefix import (
     prefix_pattern,
     split_line,
 )
-from jobrun.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
+from jobrun.analysis.deadlocks.sources import LINE_LIMIT, container_lead, strip_lead
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
-    from jobrun.deadlocks.envelopes import Line
+    from jobrun.analysis.deadlocks.envelopes import Line
 
 #: Lines read to choose the stderr prefix layout before the real pass starts, and how far
 #: that goes while the lines read cannot tell the best layouts apart.

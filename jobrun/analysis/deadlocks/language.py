@@ -6,7 +6,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from jobrun.deadlocks.catalog import MESSAGES
+from jobrun.analysis.deadlocks.catalog import MESSAGES
 
 _ENGLISH_SEVERITIES = frozenset(
     (

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrun.deadlocks.sessions import Session
+    from jobrun.analysis.deadlocks.sessions import Session
 
 #: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
 JOB_PREFIX = "jobrun:"
@@ -190,7 +190,7 @@ class Found:
 
 
 def _suggested(deadlock: Deadlock) -> dict[str, Any] | None:
-    from jobrun.deadlocks.advice import suggest  # noqa: PLC0415 - advice reads this module
+    from jobrun.analysis.deadlocks.advice import suggest  # noqa: PLC0415 - advice reads this module
 
     found = suggest(deadlock)
     return found.as_json() if found else None

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jobrun.deadlocks.language import SEVERITY_WORDS
+from jobrun.analysis.deadlocks.language import SEVERITY_WORDS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

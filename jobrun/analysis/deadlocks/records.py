@@ -5,9 +5,9 @@ from __future__ import annotations
 import csv
 from typing import TYPE_CHECKING, Any
 
-from jobrun.deadlocks.language import SEVERITY_WORDS
-from jobrun.deadlocks.model import Entry
-from jobrun.deadlocks.sources import LINE_LIMIT
+from jobrun.analysis.deadlocks.language import SEVERITY_WORDS
+from jobrun.analysis.deadlocks.model import Entry
+from jobrun.analysis.deadlocks.sources import LINE_LIMIT
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator

@@ -9,17 +9,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jobrun.deadlocks import together
-from jobrun.deadlocks.advice import suggest
-from jobrun.deadlocks.scan import find
-from jobrun.deadlocks.sources import NoInputError
+from jobrun.analysis.deadlocks import together
+from jobrun.analysis.deadlocks.advice import suggest
+from jobrun.analysis.deadlocks.scan import find
+from jobrun.analysis.deadlocks.sources import NoInputError
 from jobrun.escape import printable as _printable
 from jobrun.exitcodes import OutputError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side
+    from jobrun.analysis.deadlocks.model import Deadlock, FileRead, Found, Side
 
 
 def run(

@@ -5,20 +5,20 @@ from __future__ import annotations
 import re
 from typing import IO, TYPE_CHECKING
 
-from jobrun.deadlocks import language
-from jobrun.deadlocks.envelopes import ReadStopped
-from jobrun.deadlocks.formats import read_entries
-from jobrun.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
-from jobrun.deadlocks.sessions import SessionLog
-from jobrun.deadlocks.sources import LINE_LIMIT, NoInputError, open_log
-from jobrun.deadlocks.storms import storms
+from jobrun.analysis.deadlocks import language
+from jobrun.analysis.deadlocks.envelopes import ReadStopped
+from jobrun.analysis.deadlocks.formats import read_entries
+from jobrun.analysis.deadlocks.model import Deadlock, FileRead, Found, Side, parse_detail
+from jobrun.analysis.deadlocks.sessions import SessionLog
+from jobrun.analysis.deadlocks.sources import LINE_LIMIT, NoInputError, open_log
+from jobrun.analysis.deadlocks.storms import storms
 from jobrun.exitcodes import Exit
 
 if TYPE_CHECKING:
     from collections.abc import Hashable, Iterable
 
-    from jobrun.deadlocks.formats import Reading
-    from jobrun.deadlocks.model import Entry
+    from jobrun.analysis.deadlocks.formats import Reading
+    from jobrun.analysis.deadlocks.model import Entry
 
 DEADLOCK_MESSAGE = "deadlock detected"
 DEADLOCK_SQLSTATE = "40P01"

@@ -8,12 +8,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jobrun.deadlocks.storms import moment
+from jobrun.analysis.deadlocks.storms import moment
 
 if TYPE_CHECKING:
     from collections.abc import Hashable
 
-    from jobrun.deadlocks.model import Entry
+    from jobrun.analysis.deadlocks.model import Entry
 
 #: ``connection received: host=10.0.0.5 port=41234`` (before the session is named).
 _RECEIVED = re.compile(r"connection received: host=(?P<host>\S+)")

@@ -6,10 +6,10 @@ import datetime as dt
 import re
 from typing import TYPE_CHECKING
 
-from jobrun.deadlocks.model import Storm
+from jobrun.analysis.deadlocks.model import Storm
 
 if TYPE_CHECKING:
-    from jobrun.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.model import Deadlock
 
 #: Two deadlocks of the same sides this close together are one attempt retrying into the
 #: same cycle (a job that retries on 40P01 at once), not two nights that went wrong.

@@ -8,17 +8,17 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jobrun.deadlocks.schedulers import ASSUME_DURATION, cron_runs, journal_runs
-from jobrun.deadlocks.sources import open_log
-from jobrun.deadlocks.storms import moment
+from jobrun.analysis.deadlocks.schedulers import ASSUME_DURATION, cron_runs, journal_runs
+from jobrun.analysis.deadlocks.sources import open_log
+from jobrun.analysis.deadlocks.storms import moment
 from jobrun.escape import printable
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.deadlocks.model import Deadlock
-    from jobrun.deadlocks.schedulers import Run
-    from jobrun.deadlocks.sessions import Session
+    from jobrun.analysis.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.schedulers import Run
+    from jobrun.analysis.deadlocks.sessions import Session
 
 #: Pairs shown in the report (``--json`` has them all).
 PAIRS_SHOWN = 20

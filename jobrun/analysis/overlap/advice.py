@@ -16,8 +16,8 @@ from jobrun.escape import printable
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.overlap.model import Lock, Wait
-    from jobrun.overlap.report import Report
+    from jobrun.analysis.overlap.model import Lock, Wait
+    from jobrun.analysis.overlap.report import Report
 
 #: Characters of one key value kept (a text key can be long).
 VALUE_CHARS = 60

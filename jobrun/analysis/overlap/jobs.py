@@ -11,7 +11,7 @@ from typing import IO, TYPE_CHECKING
 
 from jobrun import procs
 from jobrun.exitcodes import Exit, from_wait_status
-from jobrun.supervise import ExecFailed
+from jobrun.run.supervise import ExecFailed
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

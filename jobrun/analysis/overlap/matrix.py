@@ -8,18 +8,18 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jobrun.analysis.overlap import advice
+from jobrun.analysis.overlap.render import COMMAND_CHARS
+from jobrun.analysis.overlap.run import run
 from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
-from jobrun.overlap import advice
-from jobrun.overlap.render import COMMAND_CHARS
-from jobrun.overlap.run import run
-from jobrun.supervise import ExecFailed
+from jobrun.run.supervise import ExecFailed
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from jobrun.overlap.report import Attempt, Report
-    from jobrun.overlap.run import Plan
+    from jobrun.analysis.overlap.report import Attempt, Report
+    from jobrun.analysis.overlap.run import Plan
 
 #: The outcome of a pair: a deadlock (or a cycle) in any attempt, else a failed or timed
 #: out attempt, else clean.

@@ -5,13 +5,13 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
+from jobrun.analysis.overlap import advice
 from jobrun.escape import printable
-from jobrun.overlap import advice
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.overlap.report import Attempt, Report
+    from jobrun.analysis.overlap.report import Attempt, Report
 
 #: Longest command shown in the human report (the JSON has every argument).
 COMMAND_CHARS = 120

@@ -7,13 +7,13 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jobrun.overlap.model import JOBS
+from jobrun.analysis.overlap.model import JOBS
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.overlap.advice import Advice
-    from jobrun.overlap.model import Wait
+    from jobrun.analysis.overlap.advice import Advice
+    from jobrun.analysis.overlap.model import Wait
 
 #: Deadlock error lines kept per command and attempt.
 ERROR_LINES = 8

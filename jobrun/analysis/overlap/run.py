@@ -11,18 +11,19 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from jobrun import alerts, db, durations
+from jobrun import db, durations
+from jobrun.analysis.overlap.jobs import Job
+from jobrun.analysis.overlap.model import JOBS
+from jobrun.analysis.overlap.report import Attempt, Report
+from jobrun.analysis.overlap.watch import POLL_INTERVAL, Watch, app_name, server_timeouts
 from jobrun.exitcodes import Interrupted, JobrunError, UsageError
-from jobrun.interrupts import Interrupts
-from jobrun.overlap.jobs import Job
-from jobrun.overlap.model import JOBS
-from jobrun.overlap.report import Attempt, Report
-from jobrun.overlap.watch import POLL_INTERVAL, Watch, app_name, server_timeouts
+from jobrun.ops.interrupts import Interrupts
+from jobrun.run import alerts
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Mapping
 
-    from jobrun.overlap.model import Session
+    from jobrun.analysis.overlap.model import Session
 
 #: ``--start`` modes besides a fixed delay.
 START_MODES = ("hold", "inside", "together")

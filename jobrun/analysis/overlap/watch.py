@@ -10,13 +10,13 @@ import psycopg
 from psycopg.rows import class_row, dict_row
 
 from jobrun import db, sql
-from jobrun.overlap import advice
-from jobrun.overlap.model import JOBS, Session, SessionRow, find_cycle, waits
+from jobrun.analysis.overlap import advice
+from jobrun.analysis.overlap.model import JOBS, Session, SessionRow, find_cycle, waits
 
 if TYPE_CHECKING:
     import datetime as dt
 
-    from jobrun.overlap.report import Attempt
+    from jobrun.analysis.overlap.report import Attempt
 
 #: How often the watcher looks at pg_stat_activity / pg_locks while the jobs run. A deadlock
 #: lasts deadlock_timeout (1 s by default) before PostgreSQL breaks it, so this sees it; with

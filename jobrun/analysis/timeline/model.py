@@ -22,9 +22,9 @@ from jobrun.db.connecting import application_name
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
-    from jobrun.deadlocks.model import Deadlock
-    from jobrun.deadlocks.schedulers import Run
-    from jobrun.deadlocks.sessions import Session
+    from jobrun.analysis.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.schedulers import Run
+    from jobrun.analysis.deadlocks.sessions import Session
 
 #: The outcomes a bar is coloured by; anything else is drawn as ``other``.
 OUTCOMES = (
@@ -341,7 +341,7 @@ def session_bars(sessions: Iterable[Session], *, until: dt.datetime | None = Non
 
 def deadlock_marks(deadlocks: Iterable[Deadlock]) -> list[Mark]:
     """A mark per deadlock whose time the log gives."""
-    from jobrun.deadlocks.storms import moment  # noqa: PLC0415 - only with --log
+    from jobrun.analysis.deadlocks.storms import moment  # noqa: PLC0415 - only with --log
 
     marks = []
     for deadlock in deadlocks:

@@ -16,15 +16,15 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from jobrun.analysis.timeline import model
+from jobrun.analysis.timeline.model import LOGGED, OUTCOMES, SKIPPED
 from jobrun.durations import format_seconds
 from jobrun.escape import printable
-from jobrun.timeline import model
-from jobrun.timeline.model import LOGGED, OUTCOMES, SKIPPED
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from jobrun.timeline.model import Bar, Mark, Overlap, Timeline
+    from jobrun.analysis.timeline.model import Bar, Mark, Overlap, Timeline
 
 WIDTH = 1200
 LABELS = 260

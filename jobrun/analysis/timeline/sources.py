@@ -11,10 +11,10 @@ from psycopg import errors
 from psycopg.rows import dict_row
 
 from jobrun import sql
-from jobrun.deadlocks.sources import NoInputError
+from jobrun.analysis.deadlocks.sources import NoInputError
+from jobrun.analysis.timeline import model
 from jobrun.exitcodes import Exit, JobrunError
 from jobrun.sql.timeline import TIMELINE_NOW, TIMELINE_RUNS
-from jobrun.timeline import model
 
 if TYPE_CHECKING:
     import datetime as dt
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import psycopg
 
-    from jobrun.timeline.model import Bar, Mark
+    from jobrun.analysis.timeline.model import Bar, Mark
 
 #: A read of the history never takes longer than this (the server cancels it), as status's.
 STATEMENT_TIMEOUT_MS = "30000"
@@ -87,8 +87,8 @@ def logs(
     lane per application (their deadlocks are marked too). Cron's times are read as the
     deadlocks' year, as ``jobrun deadlocks --cron-log`` reads them.
     """
-    from jobrun.deadlocks.scan import find  # noqa: PLC0415 - only when logs are given
-    from jobrun.deadlocks.together import Asked  # noqa: PLC0415
+    from jobrun.analysis.deadlocks.scan import find  # noqa: PLC0415 - only when logs are given
+    from jobrun.analysis.deadlocks.together import Asked  # noqa: PLC0415
 
     paths = list(dict.fromkeys([*server_logs, *sessions_from]))
     for path in [*paths, *cron_logs, *journals]:  # a typo: said before anything is read

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobrun import sql
-from jobrun.doctor import query
-from jobrun.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.escape import printable
+from jobrun.ops.doctor import query
+from jobrun.ops.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: Below this many free connection slots, a burst of jobs may be refused.
 MIN_FREE_CONNECTIONS = 5

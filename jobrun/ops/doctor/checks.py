@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from jobrun import db
-from jobrun.doctor.capacity import advisory, connections, schema
-from jobrun.doctor.defaults import READ_ONLY, end_immunity, immunise, session_defaults
-from jobrun.doctor.finding import UNKNOWN, Finding
-from jobrun.doctor.forensics import deadlock_logging
-from jobrun.doctor.history_scale import history_scale
-from jobrun.doctor.probe import probes
-from jobrun.doctor.server import (
+from jobrun.exitcodes import JobrunError
+from jobrun.ops.doctor.capacity import advisory, connections, schema
+from jobrun.ops.doctor.defaults import READ_ONLY, end_immunity, immunise, session_defaults
+from jobrun.ops.doctor.finding import UNKNOWN, Finding
+from jobrun.ops.doctor.forensics import deadlock_logging
+from jobrun.ops.doctor.history_scale import history_scale
+from jobrun.ops.doctor.probe import probes
+from jobrun.ops.doctor.server import (
     connection,
     encryption,
     idle_timeouts,
@@ -22,13 +23,12 @@ from jobrun.doctor.server import (
     role,
     server,
 )
-from jobrun.doctor.tenancy import tenancy
-from jobrun.exitcodes import JobrunError
+from jobrun.ops.doctor.tenancy import tenancy
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 
 def diagnose(conn: Connection, target: db.Target, *, mode: str) -> list[Finding]:

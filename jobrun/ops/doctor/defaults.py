@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from jobrun import sql
-from jobrun.doctor.finding import FAIL, OK, WARN, Finding
+from jobrun.ops.doctor.finding import FAIL, OK, WARN, Finding
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: A role-level statement_timeout (or transaction_timeout) below this cancels jobrun's own
 #: history and lease statements, which normally take milliseconds but can take longer on a

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrun.doctor import query
-from jobrun.doctor.finding import NOTE, OK, Finding
+from jobrun.ops.doctor import query
+from jobrun.ops.doctor.finding import NOTE, OK, Finding
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: deadlock_timeout outside this range (ms) makes deadlock forensics harder.
 DEADLOCK_TIMEOUT_RANGE = (100, 5000)

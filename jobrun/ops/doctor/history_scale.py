@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrun.doctor import query
-from jobrun.doctor.finding import OK, WARN, Finding
+from jobrun.ops.doctor import query
+from jobrun.ops.doctor.finding import OK, WARN, Finding
 from jobrun.sql import doctor as doctor_sql
 from jobrun.sql import history as history_sql
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: A key holding more rows than this is pruned for a while (each run deletes a batch), or
 #: kept on purpose (``--keep``): said, since VACUUM and backups grow with it.

@@ -11,16 +11,16 @@ import psycopg
 from psycopg import errors
 
 from jobrun import keys
-from jobrun.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
+from jobrun.ops.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.sql import doctor as statements
 from jobrun.sql import history, lease
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: What a probe key is made of: a key name no real job uses, or a grant's pattern filled
 #: in with it (after ``jobrun init`` the role may only write rows of keys it was granted).

@@ -6,12 +6,12 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 from jobrun import db, sql
-from jobrun.doctor import query
-from jobrun.doctor.finding import FAIL, OK, WARN, Finding
 from jobrun.log import safe_text
+from jobrun.ops.doctor import query
+from jobrun.ops.doctor.finding import FAIL, OK, WARN, Finding
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 #: Oldest server jobrun is tested against (CI runs PostgreSQL 13 to 18).
 MIN_TESTED_VERSION = 130000

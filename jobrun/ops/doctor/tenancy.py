@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobrun import sql
-from jobrun.doctor import query
-from jobrun.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.escape import printable
+from jobrun.ops.doctor import query
+from jobrun.ops.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.sql.tenants import GUARDED_TABLES
 
 if TYPE_CHECKING:
-    from jobrun.doctor.query import Connection
+    from jobrun.ops.doctor.query import Connection
 
 
 def tenancy(conn: Connection) -> list[Finding]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrun.status import render
-from jobrun.status.collect import (
+from jobrun.ops.status import render
+from jobrun.ops.status.collect import (
     STUCK_FACTOR,
     STUCK_MINIMUM,
     KeyStatus,
@@ -14,8 +14,8 @@ from jobrun.status.collect import (
     collect,
     lock_ids_of,
 )
-from jobrun.status.render import history_table, overlap_table, status_table
-from jobrun.status.runs import overlapping, runs_of
+from jobrun.ops.status.render import history_table, overlap_table, status_table
+from jobrun.ops.status.runs import overlapping, runs_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

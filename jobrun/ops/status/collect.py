@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors
 
-from jobrun import db, keys, messages, sql
+from jobrun import db, keys, sql
+from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.history.config import iso, pause
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
-from jobrun.slots import MAX_SLOTS, slot_lock_id
+from jobrun.locks.slots import MAX_SLOTS, slot_lock_id
 from jobrun.sql import status as status_sql
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobrun import tail
 from jobrun.escape import printable, printable_lines
+from jobrun.run import tail
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
     from jobrun.locks import Holder
-    from jobrun.status.collect import KeyStatus
+    from jobrun.ops.status.collect import KeyStatus
 
 #: Run ids are UUIDs; the table shows their first 8 characters (``--json`` has them whole).
 _SHORT_RUN_ID = 8

@@ -8,8 +8,8 @@ from psycopg import errors
 
 from jobrun import sql
 from jobrun.history.config import iso
+from jobrun.ops.status.collect import read_many, read_rows, rounded_seconds
 from jobrun.sql import status as status_sql
-from jobrun.status.collect import read_many, read_rows, rounded_seconds
 
 if TYPE_CHECKING:
     import psycopg

@@ -1,0 +1,1 @@
+"""Reading what happened: deadlock logs, overlap rehearsals, timelines."""

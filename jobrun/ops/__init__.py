@@ -1,0 +1,1 @@
+"""Operators' commands: stop, pause, resume, status, doctor, drill, demo, tenants."""
