@@ -11,6 +11,7 @@ from jobrun import sql
 from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
+from jobrun.locks.holders import candidate_ids, holder_among, holder_of
 from jobrun.ops import control
 from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
@@ -96,11 +97,11 @@ def ever_recorded(conn: Connection, label: str) -> bool:
             return True
         if row and row[0]:
             return True
-    return control.holder_of(conn, label) is not None
+    return holder_of(conn, label) is not None
 
 
 def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool | None]:
-    """The run holding ``label`` now (see control.holder_of); NeverRecorded for a typo.
+    """The run holding ``label`` now (see locks.holders.holder_of); NeverRecorded for a typo.
 
     And whether ``jobrun init`` made the run-label function (None: not asked), so that
     ``control.verify_run`` need not try it in vain. One message where every table is there
@@ -110,7 +111,7 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
     ``require_recorded`` and ``holder_of`` send them (a missing table or grant costs only
     its own part).
     """
-    params = {"key": label, "need": "control", "lock_ids": control.candidate_ids(label)}
+    params = {"key": label, "need": "control", "lock_ids": candidate_ids(label)}
     try:
         *_, granted, recorded, _, _, lease, session, labelled = messages.results(
             conn,
@@ -125,10 +126,10 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
         )
     except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
         require_recorded(conn, label, need="control")
-        return control.holder_of(conn, label), None
+        return holder_of(conn, label), None
     _refuse_unless_granted(granted, label, "control")
     initialised = bool(labelled and labelled[0][0])
-    holder = control.holder_among(label, _first(lease), _first(session), initialised=initialised)
+    holder = holder_among(label, _first(lease), _first(session), initialised=initialised)
     if holder is None and not (recorded and recorded[0][0]):
         raise NeverRecorded(label)
     return holder, initialised
@@ -152,7 +153,7 @@ def resume_if_recorded(conn: Connection, label: str) -> bool:
         require_recorded(conn, label, need="control")
         return control.resume(conn, label)
     _refuse_unless_granted(granted, label, "control")
-    if not (recorded and recorded[0][0]) and control.holder_of(conn, label) is None:
+    if not (recorded and recorded[0][0]) and holder_of(conn, label) is None:
         raise NeverRecorded(label)
     return bool(resumed)
 
@@ -184,7 +185,7 @@ def require_recorded(
         known = ever_recorded(conn, label)
     else:
         _refuse_unless_granted(granted, label, need)
-        known = bool(recorded and recorded[0][0]) or control.holder_of(conn, label) is not None
+        known = bool(recorded and recorded[0][0]) or holder_of(conn, label) is not None
     if not known:
         raise NeverRecorded(label, hint)
 
@@ -237,7 +238,7 @@ def forget(conn: Connection, label: str) -> Forgotten:
     live: the key is not retired. The key's lock ids are held (transaction-scoped) until
     the commit, so no run of it can start halfway.
     """
-    lock_ids = control.candidate_ids(label)
+    lock_ids = candidate_ids(label)
     params = {"key": label, "lock_ids": lock_ids}
     with conn.transaction():
         row = conn.execute(statements.FORGET_LOCK_IDS, params).fetchone()
