@@ -18,7 +18,6 @@ from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError
 from jobrun.keys import LOCK_ID_PREFIX, lock_ids_of
 from jobrun.locks import Holder
-from jobrun.locks.slots import MAX_SLOTS, slot_lock_id
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -115,6 +114,8 @@ class StopRefused(JobrunError):
 
 def candidate_ids(label: str) -> list[int]:
     """The lock ids a run of ``label`` may hold: the key's own, and its slots' (``--slots``)."""
+    from jobrun.locks.slots import MAX_SLOTS, slot_lock_id  # noqa: PLC0415 - not on a run's path
+
     lock_ids = lock_ids_of(label)
     if "," not in label and not label.startswith(LOCK_ID_PREFIX):
         lock_ids += [slot_lock_id(label, slot) for slot in range(MAX_SLOTS)]
