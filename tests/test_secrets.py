@@ -454,7 +454,11 @@ class TestMaskingAcrossReads:
         cut = min(cut, len(secret) - 1)
         piece = secret[cut:]
         masked = masking.Masker([secret]).data((piece + " end").encode(), cut=True)
-        assert masked == b"*** end"
+        # All of the piece is masked. The mask may reach a little further when what follows
+        # also matches the secret's end (a secret ending in spaces, then " end"): more
+        # masked than needed, never less.
+        assert masked.startswith(b"***"), masked
+        assert b" end".endswith(masked[3:]), masked
 
 
 class Monitor:
