@@ -72,6 +72,7 @@ MARKS_FROM_FIXTURES = {
         "tls_server",
         "demo_dsn",
         "night",
+        "nls_server",
     ),
     "fault": ("private_server_factory", "pair"),
 }
