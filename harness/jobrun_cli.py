@@ -20,6 +20,11 @@ JOBRUN = (sys.executable, "-m", "jobrun")
 
 
 def environment(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``variables(dsn, extra)`` for a jobrun process."""
+    return variables(dsn, extra)
+
+
+def variables(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Our environment minus any JOBRUN_* and PGAPPNAME, plus the test DSN and JSON logs."""
     env = {
         name: value
