@@ -18,9 +18,17 @@ if TYPE_CHECKING:
 
 JOBRUN = (sys.executable, "-m", "jobrun")
 
+#: Why starting jobrun is refused, while it is (tests/conftest.py sets it for the fast tier).
+refused: str | None = None
+
 
 def environment(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``variables(dsn, extra)`` for a jobrun process."""
+    """``variables(dsn, extra)`` for a jobrun process; raises while ``refused`` is set.
+
+    Every start of jobrun here is made with it (and the tests' own starts mostly are).
+    """
+    if refused is not None:
+        raise AssertionError(refused)
     return variables(dsn, extra)
 
 

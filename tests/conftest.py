@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from harness import jobrun_inprocess
+from harness import jobrun_cli, jobrun_inprocess
 from harness.pgbouncer import PgBouncer, require_pgbouncer
 from harness.pgserver import PgServer
 from harness.pgtools import create_database, drop_database, server_address, server_version
@@ -95,6 +95,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("pg")  # a fault test always has a server of its own
         if item.get_closest_marker("process") and not item.get_closest_marker("pg"):
             item.add_marker("pg")  # the full suite's, as a test with a server is
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_jobrun(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In the fast tier, starting jobrun through harness/jobrun_cli fails the test at once.
+
+    An interpreter start costs about a quarter of a CPU second (the tier once spent most of
+    its time on them): such a test calls jobrun in this process (the ``jobrun_here``
+    fixture), or, when what it checks is the process itself, is marked ``process``.
+    """
+    if request.node.get_closest_marker("pg"):
+        yield
+        return
+    jobrun_cli.refused = (
+        f"{request.node.nodeid} is in the fast tier (-m 'not pg') but starts jobrun as a "
+        "process: call it in this process (the jobrun_here fixture), or mark the test "
+        "@pytest.mark.process if what it checks is the process itself"
+    )
+    try:
+        yield
+    finally:
+        jobrun_cli.refused = None
 
 
 @pytest.fixture

@@ -105,6 +105,12 @@ def test_a_forked_call_takes_the_threads_it_left_with_it(jobrun_here):
     assert set(threading.enumerate()) == before
 
 
+def test_the_fast_tier_starts_no_jobrun_process():
+    """harness/jobrun_cli refuses, naming the way out (tests/conftest.py)."""
+    with pytest.raises(AssertionError, match="jobrun_here fixture"):
+        jobrun_cli.run("version", dsn=None)
+
+
 @pytest.mark.process  # marked so, and nothing else
 def test_a_process_test_is_left_out_of_the_fast_tier(request):
     """``-m "not pg"`` leaves it out: conftest marks it pg."""
