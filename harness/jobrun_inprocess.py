@@ -13,6 +13,11 @@ handlers, structlog's configuration, the passwords jobrun.masking learned, the w
 directory and the umask. A thread the call started must have ended when it returns (a
 process would have taken it along), unless the call is made in a fork (``forked``).
 
+WARNING: a run that starts its child here waits for the child's exit signal in this thread
+(jobrun.run.supervise); another thread of the test process (pytest-xdist's) may take that
+signal, and the run then sees the child gone at its next idle wake-up, a second later at
+most: slower, never wrong. ``forked`` calls have this thread alone.
+
 WARNING: what only a process shows is not tested through here: signals sent to jobrun, its
 start-up (imports, a Ctrl-C while importing), writing to a closed pipe or stdout, exit
 statuses of the real entry point (``jobrun.__main__``), the console script, argv as raw
