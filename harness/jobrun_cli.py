@@ -37,7 +37,21 @@ def start_allowance() -> float:
     return max(5.0, 10 * (time.monotonic() - started))
 
 
+#: Why starting jobrun is refused, while it is (tests/conftest.py sets it for the fast tier).
+refused: str | None = None
+
+
 def environment(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``variables(dsn, extra)`` for a jobrun process; raises while ``refused`` is set.
+
+    Every start of jobrun here is made with it (and the tests' own starts mostly are).
+    """
+    if refused is not None:
+        raise AssertionError(refused)
+    return variables(dsn, extra)
+
+
+def variables(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Our environment minus any JOBRUN_* and PGAPPNAME, plus the test DSN and JSON logs."""
     env = {
         name: value

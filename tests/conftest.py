@@ -11,6 +11,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness import jobrun_cli, jobrun_inprocess
 from harness.pgbouncer import PgBouncer, require_pgbouncer
 from harness.pgserver import PgServer
 from harness.pgtools import create_database, drop_database, server_address, server_version
@@ -20,6 +21,7 @@ from support import EXAMPLES_PROPERTY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
+    from types import ModuleType
 
 #: Fixtures shared by several test files (databases and roles of a test's own; history; leaks).
 pytest_plugins = ["support.fixtures", "support.history", "support.leaks"]
@@ -72,13 +74,18 @@ MARKS_FROM_FIXTURES = {
         "tls_server",
         "demo_dsn",
         "night",
+        "nls_server",
     ),
     "fault": ("private_server_factory", "pair"),
 }
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test ``pg`` / ``fault`` from the fixtures it uses (directly or not)."""
+    """Mark each test ``pg`` / ``fault`` from the fixtures it uses (directly or not).
+
+    A ``process`` test is marked ``pg`` too: ``-m "not pg"``, the fast tier, is the tests
+    that need neither a server nor a jobrun process of their own.
+    """
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for mark, fixtures in MARKS_FROM_FIXTURES.items():
@@ -86,6 +93,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(mark)
         if item.get_closest_marker("fault") and not item.get_closest_marker("pg"):
             item.add_marker("pg")  # a fault test always has a server of its own
+        if item.get_closest_marker("process") and not item.get_closest_marker("pg"):
+            item.add_marker("pg")  # the full suite's, as a test with a server is
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_jobrun(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In the fast tier, starting jobrun through harness/jobrun_cli fails the test at once.
+
+    An interpreter start costs about a quarter of a CPU second (the tier once spent most of
+    its time on them): such a test calls jobrun in this process (the ``jobrun_here``
+    fixture), or, when what it checks is the process itself, is marked ``process``.
+    """
+    if request.node.get_closest_marker("pg"):
+        yield
+        return
+    jobrun_cli.refused = (
+        f"{request.node.nodeid} is in the fast tier (-m 'not pg') but starts jobrun as a "
+        "process: call it in this process (the jobrun_here fixture), or mark the test "
+        "@pytest.mark.process if what it checks is the process itself"
+    )
+    try:
+        yield
+    finally:
+        jobrun_cli.refused = None
+
+
+@pytest.fixture
+def jobrun_here() -> ModuleType:
+    """jobrun's command line called in this process (harness/jobrun_inprocess.py).
+
+    ``jobrun_here.run(*args, dsn=..., env=..., stdin=...)`` answers as ``jobrun_cli.run``
+    does (exit status, stdout, stderr), without starting an interpreter; ``forked=True``
+    makes the call in a fork, for a run that leaves a thread to its process's exit.
+    """
+    return jobrun_inprocess
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -53,12 +53,12 @@ class TestBadInput:
     """Every mistake a user can make on the command line."""
 
     @pytest.mark.parametrize("argv", BAD_INVOCATIONS.values(), ids=BAD_INVOCATIONS.keys())
-    def test_exits_64_with_one_line_and_no_traceback(self, argv, tmp_path):
+    def test_exits_64_with_one_line_and_no_traceback(self, jobrun_here, argv, tmp_path):
         """Exit 64, exactly one line on stderr, no traceback, and the child never ran."""
         marker = tmp_path / "ran"
         # "true" stands for a child that would leave a mark if it ever ran.
         argv = [part for a in argv for part in (TOUCH_MARKER if a == "true" else [a])]
-        result = jobrun_cli.run(*argv, dsn="host=127.0.0.1 port=1", env={"MARKER": str(marker)})
+        result = jobrun_here.run(*argv, dsn="host=127.0.0.1 port=1", env={"MARKER": str(marker)})
         assert result.returncode == 64, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1, result.stderr
@@ -76,22 +76,23 @@ class TestBadInput:
             "postgresql://u:hunter2 secret@[::1/test",
         ],
     )
-    def test_bad_dsn_error_hides_the_password(self, dsn):
+    def test_bad_dsn_error_hides_the_password(self, jobrun_here, dsn):
         """A DSN that does not parse is reported without the password, or any part of it."""
-        result = jobrun_cli.run("--key", "k", "--dsn", dsn, "--", "true", dsn=None)
+        result = jobrun_here.run("--key", "k", "--dsn", dsn, "--", "true", dsn=None)
         assert result.returncode == 64, result.stderr
         assert "hunter2" not in result.stderr
         assert "secret" not in result.stderr
 
-    def test_a_usage_error_is_the_only_line(self):
+    def test_a_usage_error_is_the_only_line(self, jobrun_here):
         """A bad option found late still comes alone (no password warning before it)."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key", "k", "--dsn", "host=127.0.0.1 port=1 password=pw", "--on-alert", "'bad",
             "--", "true", dsn=None,
         )  # fmt: skip
         assert result.returncode == 64, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
+    @pytest.mark.process  # a signal to the real process
     def test_ctrl_c_while_connecting_is_quiet(self):
         """SIGINT to a subcommand waiting for the server: exit 130, no traceback, no output."""
         with socket.create_server(("127.0.0.1", 0)) as server:
@@ -112,9 +113,9 @@ class TestBadInput:
         assert proc.returncode == 130
         assert (stdout, stderr) == ("", "")
 
-    def test_unknown_subcommand_hint_mentions_double_dash(self):
+    def test_unknown_subcommand_hint_mentions_double_dash(self, jobrun_here):
         """Forgetting `--` says how to write the command."""
-        result = jobrun_cli.run("--key", "k", "echo", dsn=None)
+        result = jobrun_here.run("--key", "k", "echo", dsn=None)
         assert "put it after '--'" in result.stderr
 
 
@@ -122,17 +123,18 @@ class TestHelpAndVersion:
     """Every command has help; --version; python -m jobrun."""
 
     @pytest.mark.parametrize("command", [[], ["key"]])
-    def test_every_command_has_help(self, command):
+    def test_every_command_has_help(self, jobrun_here, command):
         """`--help` exits 0 and prints usage."""
-        result = jobrun_cli.run(*command, "--help", dsn=None)
+        result = jobrun_here.run(*command, "--help", dsn=None)
         assert result.returncode == 0
         assert result.stdout.startswith("Usage: jobrun")
 
-    def test_version(self):
+    def test_version(self, jobrun_here):
         """`jobrun --version` prints the package version."""
-        result = jobrun_cli.run("--version", dsn=None)
+        result = jobrun_here.run("--version", dsn=None)
         assert result.stdout.strip() == f"jobrun {__version__}"
 
+    @pytest.mark.process  # the installed script
     def test_console_script_is_installed(self):
         """The `jobrun` console script exists next to the interpreter."""
         script = subprocess.run(
@@ -156,21 +158,22 @@ class TestHelpAndVersion:
 class TestKeyCommand:
     """`jobrun key NAME...`."""
 
-    def test_prints_lock_id_and_pg_locks_pair(self):
+    def test_prints_lock_id_and_pg_locks_pair(self, jobrun_here):
         """One row per name with lock id, classid and objid."""
-        result = jobrun_cli.run("key", "nightly-export", "a", dsn=None)
+        result = jobrun_here.run("key", "nightly-export", "a", dsn=None)
         assert result.returncode == 0
         rows = [line.split() for line in result.stdout.splitlines()]
         assert rows[0] == ["KEY", "LOCK_ID", "CLASSID", "OBJID"]
         assert rows[1] == ["nightly-export", "-5287385889299587548", "3063901836", "635608612"]
         assert rows[2][:2] == ["a", "-3848465438864589366"]
 
-    def test_bad_name_is_a_usage_error(self):
+    def test_bad_name_is_a_usage_error(self, jobrun_here):
         """A control character in a name: exit 64."""
-        result = jobrun_cli.run("key", "bad\x01name", dsn=None)
+        result = jobrun_here.run("key", "bad\x01name", dsn=None)
         assert result.returncode == 64
 
 
+@pytest.mark.process  # what a fresh interpreter imports
 class TestLeanImports:
     """Paths that do not touch the database do not import psycopg or structlog."""
 
@@ -251,8 +254,8 @@ class TestHelpRendering:
     @pytest.mark.parametrize(
         "command", [[], ["drill"], ["status"], ["history"], ["doctor"], ["overlap"], ["demo"]]
     )
-    def test_no_literal_backslash_b(self, command):
+    def test_no_literal_backslash_b(self, jobrun_here, command):
         """`\\b` must be click's marker (a backspace), never printed as text."""
-        result = jobrun_cli.run(*command, "--help", dsn=None)
+        result = jobrun_here.run(*command, "--help", dsn=None)
         assert result.returncode == 0
         assert "\\b" not in result.stdout

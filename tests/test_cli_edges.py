@@ -50,6 +50,7 @@ class TestOutputErrors:
         errors = [line for line in result.stderr.splitlines() if "error" in line]
         assert errors == ["jobrun: error: cannot write to standard output: No space left on device"]
 
+    @pytest.mark.process  # the real process's descriptor 1
     def test_closed_stdout_is_exit_74(self):
         """`jobrun key a >&-`: nowhere to print the answer."""
         result = subprocess.run(
@@ -59,6 +60,7 @@ class TestOutputErrors:
         assert result.returncode == 74, result.stderr
         assert "closed" in result.stderr
 
+    @pytest.mark.process  # the real process's pipe
     @pytest.mark.parametrize("argv", [["key", "a", "b", "c"], ["--help"], ["version"]])
     def test_closed_pipe_ends_quietly_with_141(self, argv):
         """The reader went away (`| head -1` after its line): 128 + SIGPIPE, nothing on stderr."""
@@ -102,6 +104,7 @@ sys.meta_path.insert(0, SigintAtImport())
 """
 
 
+@pytest.mark.process  # a fresh interpreter's start-up
 class TestSignalsAtStartUp:
     """Ctrl-C while jobrun is still importing: exit 130, no traceback."""
 
@@ -167,31 +170,33 @@ class TestSignalsInsideAnImportedClass:
 class TestHelpAndVersionSubcommands:
     """`jobrun help [SUBCOMMAND]` and `jobrun version` instead of "unknown subcommand"."""
 
-    def test_help(self):
+    def test_help(self, jobrun_here):
         """`jobrun help` is `jobrun --help`."""
-        assert jobrun_cli.run("help", dsn=None).stdout == jobrun_cli.run("--help", dsn=None).stdout
+        assert (
+            jobrun_here.run("help", dsn=None).stdout == jobrun_here.run("--help", dsn=None).stdout
+        )
 
     @pytest.mark.parametrize("subcommand", ["status", "drill", "key", "overlap"])
-    def test_help_on_a_subcommand(self, subcommand):
+    def test_help_on_a_subcommand(self, jobrun_here, subcommand):
         """`jobrun help SUB` is `jobrun SUB --help`."""
-        result = jobrun_cli.run("help", subcommand, dsn=None)
+        result = jobrun_here.run("help", subcommand, dsn=None)
         assert result.returncode == 0, result.stderr
-        assert result.stdout == jobrun_cli.run(subcommand, "--help", dsn=None).stdout
+        assert result.stdout == jobrun_here.run(subcommand, "--help", dsn=None).stdout
 
-    def test_help_on_an_unknown_subcommand(self):
+    def test_help_on_an_unknown_subcommand(self, jobrun_here):
         """Exit 64, naming the subcommands there are."""
-        result = jobrun_cli.run("help", "frobnicate", dsn=None)
+        result = jobrun_here.run("help", "frobnicate", dsn=None)
         assert result.returncode == 64
         assert "status" in result.stderr
 
-    def test_version(self):
+    def test_version(self, jobrun_here):
         """`jobrun version` prints what --version prints."""
-        result = jobrun_cli.run("version", dsn=None)
+        result = jobrun_here.run("version", dsn=None)
         assert result.stdout.strip() == f"jobrun {__version__}"
 
-    def test_a_real_command_still_gets_the_hint(self):
+    def test_a_real_command_still_gets_the_hint(self, jobrun_here):
         """`jobrun --key k make` still says to put the command after '--'."""
-        result = jobrun_cli.run("--key", "k", "make", dsn=None)
+        result = jobrun_here.run("--key", "k", "make", dsn=None)
         assert result.returncode == 64
         assert "put it after '--'" in result.stderr
 
@@ -224,6 +229,7 @@ class TestSubcommandsLoadWhenUsed:
         assert result.returncode == 0, result.stderr
         return {word for word in result.stderr.split() if word.startswith(("jobrun", "harness"))}
 
+    @pytest.mark.process  # what a fresh interpreter imports
     @pytest.mark.parametrize("argv", [("--help",), ("key", "x")])
     def test_no_other_subcommand_is_imported(self, argv):
         """Only the subcommand asked for (and for --help none) is imported."""
@@ -325,9 +331,9 @@ class TestDrillAndDemoSay:
 class TestBareJobrun:
     """A bare ``jobrun`` shows how to use it."""
 
-    def test_bare_jobrun_prints_the_short_usage(self):
+    def test_bare_jobrun_prints_the_short_usage(self, jobrun_here):
         """The usage line and the first examples on stderr, exit 64 (not "no command given")."""
-        result = jobrun_cli.run(dsn=None)
+        result = jobrun_here.run(dsn=None)
         assert result.returncode == 64
         assert result.stderr.startswith("Usage: jobrun [OPTIONS] -- COMMAND")
         assert "jobrun --key nightly-export -- ./export.sh" in result.stderr

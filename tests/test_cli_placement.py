@@ -94,17 +94,17 @@ class TestModeAndKeysBeforeSubcommand:
         assert result.returncode == 0, result.stderr
         assert len(json.loads(result.stdout)) == 1
 
-    def test_key_before_drill_is_its_key(self):
+    def test_key_before_drill_is_its_key(self, jobrun_here):
         """`jobrun --key K drill` does not say "Missing option '--key'"."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key", "drill-before", "--dsn", CLOSED, "--connect-timeout", "1s", "drill", dsn=None
         )
         assert result.returncode == 69, result.stderr
         assert "Missing option" not in result.stderr
 
-    def test_drill_reads_jobrun_mode(self):
+    def test_drill_reads_jobrun_mode(self, jobrun_here):
         """JOBRUN_MODE configures the drill as it configures a run and doctor."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "drill", "--key", "drill-env", "--dsn", CLOSED, dsn=None, env={"JOBRUN_MODE": "bogus"}
         )
         assert result.returncode == 64, result.stderr
@@ -138,9 +138,9 @@ class TestRunOptionsBeforeSubcommand:
         assert option[0] in lines[0]
         assert subcommand[0] in lines[0]
 
-    def test_the_rule_is_in_help(self):
+    def test_the_rule_is_in_help(self, jobrun_here):
         """`jobrun --help` states the rule."""
-        result = jobrun_cli.run("--help", dsn=None)
+        result = jobrun_here.run("--help", dsn=None)
         assert "before a subcommand applies to it" in " ".join(result.stdout.split())
 
 
@@ -159,13 +159,13 @@ class TestEnvironment:
             ("JOBRUN_CONNECT_TIMEOUT", "later"),
         ],
     )
-    def test_error_names_the_variable(self, variable, value):
+    def test_error_names_the_variable(self, jobrun_here, variable, value):
         """A bad value from JOBRUN_X is reported as JOBRUN_X (exit 64)."""
         env = {variable: value}
         args = [] if variable in ("JOBRUN_KEY", "JOBRUN_LOCK_ID") else ["--key", "k"]
         if variable == "JOBRUN_KEY":
             args = []
-        result = jobrun_cli.run(*args, "--", "true", dsn=CLOSED, env=env)
+        result = jobrun_here.run(*args, "--", "true", dsn=CLOSED, env=env)
         assert result.returncode == 64, result.stderr
         assert variable in result.stderr
 
@@ -187,9 +187,9 @@ class TestEnvironment:
         result = jobrun_cli.run("status", dsn=dsn, env=variables)
         assert result.returncode == 0, result.stderr
 
-    def test_help_shows_each_variable(self):
+    def test_help_shows_each_variable(self, jobrun_here):
         """Every option with a variable shows it in --help."""
-        result = jobrun_cli.run("--help", dsn=None)
+        result = jobrun_here.run("--help", dsn=None)
         text = " ".join(result.stdout.split())
         for param in cli.params:
             envvar = getattr(param, "envvar", None)

@@ -88,10 +88,12 @@ class TestConnectDeadline:
         assert 0.25 <= elapsed < LIBPQ_MINIMUM_TIMEOUT
         assert error.reason == "unreachable"
 
-    def test_run_exits_69_without_starting_the_child(self, silent_listener, key, tmp_path):
+    def test_run_exits_69_without_starting_the_child(
+        self, jobrun_here, silent_listener, key, tmp_path
+    ):
         """The command line: exit 69, reason unreachable, the child never ran."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--connect-timeout",
             "250ms",
             "--key",
@@ -387,10 +389,10 @@ class TestBytesThatAreNotUtf8:
         assert history.returncode == 0, history.stderr
         assert "job\\\\xfe" in history.stdout
 
-    def test_dsn_bytes_are_a_usage_error(self, key, tmp_path):
+    def test_dsn_bytes_are_a_usage_error(self, jobrun_here, key, tmp_path):
         """A DSN that is not UTF-8 (application_name=\\xff): exit 64, the child never runs."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key", key, "--", "touch", str(marker), dsn="host=127.0.0.1 application_name=\udcff"
         )
         assert result.returncode == 64, result.stderr
@@ -553,11 +555,11 @@ class TestServiceFile:
         (row,) = json.loads(result.stdout)
         assert row["held"] is True
 
-    def test_an_unreachable_service_is_named_in_the_error(self, key, tmp_path):
+    def test_an_unreachable_service_is_named_in_the_error(self, jobrun_here, key, tmp_path):
         """Its server down: exit 69, and the line names the service, not a guessed address."""
         path = tmp_path / "pg_service.conf"
         path.write_text("[jobrun_down]\nhost=127.0.0.1\nport=1\n")
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--dsn", "service=jobrun_down", "--key", key, "--", "true",
             dsn=None, env={"PGSERVICEFILE": str(path)},
         )  # fmt: skip

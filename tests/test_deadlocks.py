@@ -357,33 +357,34 @@ class TestDetailProperty:
 class TestBadInput:
     """Missing files, non-logs and odd bytes: a one-line error and a documented status."""
 
-    def test_a_missing_file_exits_66_before_any_output(self, tmp_path):
+    def test_a_missing_file_exits_66_before_any_output(self, jobrun_here, tmp_path):
         """EX_NOINPUT, one line on stderr, nothing on stdout."""
         good = tmp_path / "good.log"
         good.write_text("2026-12-01 02:00:00.000 UTC [42] LOG:  ready\n")
-        result = jobrun_cli.run("deadlocks", str(good), str(tmp_path / "nope.log"), dsn=None)
+        result = jobrun_here.run("deadlocks", str(good), str(tmp_path / "nope.log"), dsn=None)
         assert result.returncode == 66
         assert result.stdout == ""
         (line,) = result.stderr.strip().splitlines()
         assert "nope.log" in line
 
-    def test_a_file_that_is_not_a_log_exits_65(self, tmp_path):
+    def test_a_file_that_is_not_a_log_exits_65(self, jobrun_here, tmp_path):
         """EX_DATAERR, naming the file and the way out (--log-line-prefix)."""
         path = tmp_path / "notes.txt"
         path.write_text("shopping list\nmilk\n")
-        result = jobrun_cli.run("deadlocks", str(path), dsn=None)
+        result = jobrun_here.run("deadlocks", str(path), dsn=None)
         assert result.returncode == 65
         (line,) = result.stderr.strip().splitlines()
         assert "--log-line-prefix" in line
 
-    def test_an_empty_file_is_a_quiet_night(self, tmp_path):
+    def test_an_empty_file_is_a_quiet_night(self, jobrun_here, tmp_path):
         """An empty (freshly rotated) log: 0 deadlocks, exit 0."""
         path = tmp_path / "empty.log"
         path.write_bytes(b"")
-        result = jobrun_cli.run("deadlocks", str(path), dsn=None)
+        result = jobrun_here.run("deadlocks", str(path), dsn=None)
         assert result.returncode == 0, result.stderr
         assert "0 deadlock(s)" in result.stdout
 
+    @pytest.mark.process  # the real process's descriptor 1 on a full disk
     def test_a_full_disk_exits_74(self, tmp_path):
         """The report cannot be written (/dev/full): EX_IOERR, one line, no traceback."""
         if not Path("/dev/full").exists():

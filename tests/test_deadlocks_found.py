@@ -342,20 +342,20 @@ class TestNeverASilentZero:
         assert read.status == 65
         assert "line 3" in str(read.error)
 
-    def test_the_cli_exits_65_even_with_check(self, tmp_path):
+    def test_the_cli_exits_65_even_with_check(self, jobrun_here, tmp_path):
         """Hand-written: ``--check`` on such a file: 65 and the line, never 0."""
         head = "2026-12-01 02:08:12.163 UTC [4177] jobs@staging jobrun:a "
         path = write(tmp_path, f"{head}LOG:  ready\n{head}ERROR => deadlock detected\n")
-        result = jobrun_cli.run("deadlocks", "--check", str(path), dsn=None)
+        result = jobrun_here.run("deadlocks", "--check", str(path), dsn=None)
         assert result.returncode == 65, result.stdout
         assert "line 2" in result.stderr
         assert "0 deadlock(s) in 1 file(s), 1 with a deadlock not read" in result.stdout
 
-    def test_a_statement_quoting_the_words_is_no_deadlock(self, tmp_path):
+    def test_a_statement_quoting_the_words_is_no_deadlock(self, jobrun_here, tmp_path):
         """Hand-written: a logged statement holding the words is neither a deadlock nor 65."""
         head = "2026-12-01 02:08:12 UTC "  # %t: no pid, a layout no list held
         path = write(tmp_path, f"{head}LOG:  statement: SELECT 'deadlock detected'\n")
-        result = jobrun_cli.run("deadlocks", "--check", str(path), dsn=None)
+        result = jobrun_here.run("deadlocks", "--check", str(path), dsn=None)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -597,7 +597,7 @@ class TestCraftedLines:
             "\tProcess 4178 waits for ShareLock on transaction 8; blocked by process 4177.\n"
         )
 
-    def test_endless_wrapped_lines_are_cut_at_the_line_limit(self, tmp_path):
+    def test_endless_wrapped_lines_are_cut_at_the_line_limit(self, jobrun_here, tmp_path):
         """Unindented lines after a long one (a wrap, joined) past 8 MiB: cut there, said."""
         from jobrun.analysis.deadlocks import sources  # noqa: PLC0415
 
@@ -607,7 +607,7 @@ class TestCraftedLines:
             out.write(f"{self.HEAD}LOG:  statement: SELECT " + "x" * 60 + "\n")
             out.write(piece * ((sources.LINE_LIMIT + 2**20) // len(piece)))
             out.write(self.deadlock())
-        result = jobrun_cli.run("deadlocks", str(log), dsn=None, timeout=self.QUICK)
+        result = jobrun_here.run("deadlocks", str(log), dsn=None, timeout=self.QUICK)
         assert result.returncode == 65, result.stderr
         assert "1 line(s) cut at" in result.stdout
         assert "1 deadlock(s) in 1 file(s)" in result.stdout

@@ -6,7 +6,7 @@ import gzip
 import json
 from typing import TYPE_CHECKING
 
-from harness import jobrun_cli
+from harness import jobrun_inprocess
 from jobrun.analysis import deadlocks
 from jobrun.analysis.deadlocks import scan, sources
 from jobrun.exitcodes import Exit
@@ -39,8 +39,8 @@ def good_log(tmp_path: Path) -> Path:
 
 
 def jobrun_deadlocks(*paths: Path) -> subprocess.CompletedProcess[str]:
-    """``jobrun deadlocks PATHS...`` as a user runs it."""
-    return jobrun_cli.run("deadlocks", *map(str, paths), dsn=None, timeout=QUICK)
+    """``jobrun deadlocks PATHS...`` as a user runs it (its command line, in this process)."""
+    return jobrun_inprocess.run("deadlocks", *map(str, paths), dsn=None, timeout=QUICK)
 
 
 def array_of(*lines: str) -> str:
@@ -137,11 +137,11 @@ class TestNesting:
         assert "nested too deeply to read" in result.stdout
         assert "1 deadlock(s) in 2 file(s)" in result.stdout
 
-    def test_a_deeply_nested_journal_line_is_skipped(self, tmp_path):
+    def test_a_deeply_nested_journal_line_is_skipped(self, jobrun_here, tmp_path):
         """``--journal`` with a line nested 100,000 deep: the line skipped, the report made."""
         journal = tmp_path / "journal.json"
         journal.write_text("[" * 100_000 + "]" * 100_000 + "\n")
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "deadlocks", "--journal", str(journal), str(good_log(tmp_path)), dsn=None
         )
         assert result.returncode == 0, result.stderr

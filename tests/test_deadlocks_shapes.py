@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import jobrun_cli
 from jobrun.analysis import deadlocks
 
 if TYPE_CHECKING:
@@ -69,13 +68,13 @@ class TestPastedLogs:
 class TestDamagedFiles:
     """A file that breaks off while read is reported on its own line; the others are read."""
 
-    def test_a_truncated_archive_exits_66_after_the_other_files(self, tmp_path):
+    def test_a_truncated_archive_exits_66_after_the_other_files(self, jobrun_here, tmp_path):
         """A .gz cut short next to a good log: the good log's deadlock printed, exit 66."""
         good = tmp_path / "good.log"
         good.write_text(DEADLOCK.format(statement="UPDATE b"))
         cut = tmp_path / "cut.log.gz"
         cut.write_bytes(gzip.compress(good.read_bytes() * 50)[:200])
-        result = jobrun_cli.run("deadlocks", str(cut), str(good), dsn=None)
+        result = jobrun_here.run("deadlocks", str(cut), str(good), dsn=None)
         assert result.returncode == 66, result.stderr
         assert "jobrun:a" in result.stdout
         assert f"{cut}: not read: cannot read" in result.stdout
@@ -86,11 +85,11 @@ class TestDamagedFiles:
 class TestEscaping:
     """Text from a log reaches the terminal with its control characters made visible."""
 
-    def test_control_characters_in_a_statement_are_escaped(self, tmp_path):
+    def test_control_characters_in_a_statement_are_escaped(self, jobrun_here, tmp_path):
         """ESC and BEL in a logged statement print as \\x1b and \\x07; a CR never raw."""
         path = tmp_path / "log"
         path.write_text(DEADLOCK.format(statement="UPDATE b /* \x1b[2J\r\x07 */"), newline="")
-        result = jobrun_cli.run("deadlocks", str(path), dsn=None)
+        result = jobrun_here.run("deadlocks", str(path), dsn=None)
         assert result.returncode == 0, result.stderr
         assert "\\x1b[2J" in result.stdout
         assert "\\x07 */" in result.stdout

@@ -114,6 +114,7 @@ def has_schema(dsn: str) -> bool:
 class TestDatabaseChoice:
     """A database is used only when named; libpq's defaults alone never choose one."""
 
+    @pytest.mark.pg  # nothing named: the demo starts a throwaway server of its own
     def test_nothing_named_never_reaches_the_default_server(self):
         """PG* unset: the server libpq would reach by default gets no connection at all."""
         with default_server() as (port, accepted):

@@ -146,14 +146,15 @@ class TestExamples:
         assert len(_guarded_runs()) >= 8  # README, crontab, systemd, both CI files
 
     @pytest.mark.parametrize(("line", "settings"), _guarded_runs())
-    def test_options_are_accepted(self, line, settings, tmp_path):
+    def test_options_are_accepted(self, jobrun_here, line, settings, tmp_path):
         """Parsed and validated, it gets as far as connecting (69 here), never exit 64."""
         words = shlex.split(line)
         options = words[: words.index("--")]
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        # In a fork: a line's options may leave a thread to the process's exit (--ping's).
+        result = jobrun_here.run(
             *options, "--", "touch", str(marker),
-            dsn="host=127.0.0.1 port=1 connect_timeout=1", env=settings,
+            dsn="host=127.0.0.1 port=1 connect_timeout=1", env=settings, forked=True,
         )  # fmt: skip
         assert result.returncode == 69, result.stderr
         assert jobrun_cli.event(result.stderr, "lockstore_unavailable")["reason"] == "unreachable"
@@ -260,10 +261,10 @@ class TestReference:
         assert len(names) > 20  # the search finds the events (a broken one passes vacuously)
         assert names - NOT_LOGGED - documented == set()
 
-    def test_shell_completion_as_documented(self):
+    def test_shell_completion_as_documented(self, jobrun_here):
         """The documented bash line prints a completion script."""
         assert "_JOBRUN_COMPLETE=bash_source jobrun" in REFERENCE
-        result = jobrun_cli.run(dsn=None, env={"_JOBRUN_COMPLETE": "bash_source"})
+        result = jobrun_here.run(dsn=None, env={"_JOBRUN_COMPLETE": "bash_source"})
         assert result.returncode == 0
         assert "complete " in result.stdout
 

@@ -392,9 +392,9 @@ class TestWiredThroughCli:
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines()[0].startswith("OK    connection")
 
-    def test_doctor_unreachable_exits_69_with_one_line(self):
+    def test_doctor_unreachable_exits_69_with_one_line(self, jobrun_here):
         """No database: exit 69, one line on stderr, the password masked."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "doctor", dsn="host=127.0.0.1 port=1 password=hunter2secret connect_timeout=2"
         )
         assert result.returncode == 69

@@ -173,9 +173,9 @@ class TestDrill:
         assert holder.returncode == 143, stderr
         assert '"lock_lost"' not in stderr
 
-    def test_drill_without_database_is_exit_69_on_one_line(self, key):
+    def test_drill_without_database_is_exit_69_on_one_line(self, jobrun_here, key):
         """An unreachable database: one error line, exit 69, nothing started, no checklist."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "drill", "--key", key, "--connect-timeout", "1s", dsn="host=127.0.0.1 port=1"
         )
         assert result.returncode == 69, result.stdout + result.stderr
@@ -184,9 +184,9 @@ class TestDrill:
         assert "cannot connect" in result.stderr
 
     @pytest.mark.parametrize("heartbeat", ["0", "50ms"])
-    def test_too_short_heartbeat_is_a_usage_error(self, key, heartbeat):
+    def test_too_short_heartbeat_is_a_usage_error(self, jobrun_here, key, heartbeat):
         """As for a run: exit 64 with one line, before any database is needed."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "drill", "--key", key, "--heartbeat", heartbeat, dsn="host=127.0.0.1 port=1"
         )
         assert result.returncode == 64, result.stdout + result.stderr
@@ -194,9 +194,9 @@ class TestDrill:
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "--heartbeat must be at least 100ms" in result.stderr
 
-    def test_reads_the_runs_variables(self, key):
+    def test_reads_the_runs_variables(self, jobrun_here, key):
         """JOBRUN_HEARTBEAT is the drill's --heartbeat too: a bad one is named (exit 64)."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "drill", "--key", key, dsn="host=127.0.0.1 port=1", env={"JOBRUN_HEARTBEAT": "50ms"}
         )
         assert result.returncode == 64, result.stdout + result.stderr

@@ -678,9 +678,9 @@ class TestLeaseBasics:
             ("--ttl", "0"),
         ],
     )
-    def test_bad_timing_is_a_usage_error(self, key, args):
+    def test_bad_timing_is_a_usage_error(self, jobrun_here, key, args):
         """ttl vs heartbeat vs kill-after is checked before anything runs, with a fix."""
-        result = jobrun_cli.run("--key", key, "--mode", "lease", *args, "--", "true", dsn=None)
+        result = jobrun_here.run("--key", key, "--mode", "lease", *args, "--", "true", dsn=None)
         assert result.returncode == 64
         assert "--ttl" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1

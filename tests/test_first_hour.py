@@ -109,9 +109,11 @@ def schema_for_the_role(fresh_dsn, role):
 class TestDemo:
     """``jobrun demo`` with a database named that does not answer."""
 
-    def test_named_database_that_does_not_answer_exits_69(self):
+    def test_named_database_that_does_not_answer_exits_69(self, jobrun_here):
         """A DSN pointing nowhere is an error naming it, not a throwaway server instead."""
-        result = jobrun("demo", dsn="host=127.0.0.1 port=1 dbname=ops connect_timeout=2")
+        result = jobrun_here.run(
+            "demo", dsn="host=127.0.0.1 port=1 dbname=ops connect_timeout=2", timeout=TIMEOUT
+        )
         assert result.returncode == 69, result.stdout + result.stderr
         assert "no database answers at 127.0.0.1:1/ops" in result.stderr
         assert "--dsn or JOBRUN_DSN" in result.stderr
@@ -312,6 +314,7 @@ class TestInstall:
         assert "[demo]" not in README + (ROOT / "docs" / "install.md").read_text()
 
     @pytest.mark.slow
+    @pytest.mark.process  # the single file, built and run
     def test_single_file_builds_with_python3_alone(self, tmp_path):
         """python3 -S (no site packages: no pip, nothing installed) builds a file that runs."""
         python = shutil.which("python3", path="/usr/bin:/bin")

@@ -43,10 +43,12 @@ def child_marker(tmp_path: Path) -> tuple[Path, list[str]]:
 class TestConfigurationErrors:
     """A connection string libpq would refuse is a usage error, whatever --on-db-error says."""
 
-    def test_port_that_is_not_a_number_is_exit_64_and_never_runs_the_child(self, tmp_path):
+    def test_port_that_is_not_a_number_is_exit_64_and_never_runs_the_child(
+        self, jobrun_here, tmp_path
+    ):
         """``port=abc`` with --on-db-error run: exit 64, one line naming the port, no child."""
         marker, argv = child_marker(tmp_path)
-        done = jobrun_cli.run(
+        done = jobrun_here.run(
             "--on-db-error", "run", "--key", "typo", "--", *argv,
             dsn=f"host={NOWHERE} port=abc",
         )  # fmt: skip
@@ -55,10 +57,10 @@ class TestConfigurationErrors:
         assert done.stderr.count("\n") == 1, done.stderr
         assert 'invalid port "abc"' in done.stderr
 
-    def test_bad_sslmode_in_the_environment_is_exit_64(self, tmp_path):
+    def test_bad_sslmode_in_the_environment_is_exit_64(self, jobrun_here, tmp_path):
         """PGSSLMODE=bogus (libpq reads it where the DSN sets none): exit 64, named, no child."""
         marker, argv = child_marker(tmp_path)
-        done = jobrun_cli.run(
+        done = jobrun_here.run(
             "--on-db-error", "run", "--key", "typo", "--", *argv,
             dsn=f"host={NOWHERE}", env={"PGSSLMODE": "bogus"},
         )  # fmt: skip
@@ -66,11 +68,11 @@ class TestConfigurationErrors:
         assert not marker.exists()
         assert done.stderr.startswith("jobrun: error: PGSSLMODE: invalid sslmode"), done.stderr
 
-    def test_a_bad_value_in_a_uri_never_shows_its_password(self, tmp_path):
+    def test_a_bad_value_in_a_uri_never_shows_its_password(self, jobrun_here, tmp_path):
         """A URI with a bad port is exit 64, and its password is in no line jobrun writes."""
         password = "Zq8-first-hour-secret"  # noqa: S105 - a test's own
         marker, argv = child_marker(tmp_path)
-        done = jobrun_cli.run(
+        done = jobrun_here.run(
             "--on-db-error", "run", "--key", "typo", "--", *argv,
             dsn=f"postgresql://jobs:{password}@{NOWHERE}:5432x/app",
         )  # fmt: skip
@@ -79,10 +81,10 @@ class TestConfigurationErrors:
         assert password not in done.stderr + done.stdout
         assert "port" in done.stderr
 
-    def test_unknown_target_session_attrs_is_exit_64(self, tmp_path):
+    def test_unknown_target_session_attrs_is_exit_64(self, jobrun_here, tmp_path):
         """``target_session_attrs=primry`` (a typo): exit 64 before any connection, no child."""
         marker, argv = child_marker(tmp_path)
-        done = jobrun_cli.run(
+        done = jobrun_here.run(
             "--on-db-error", "run", "--key", "typo", "--", *argv,
             dsn=f"host={NOWHERE} target_session_attrs=primry",
         )  # fmt: skip

@@ -94,6 +94,7 @@ class TestRecipes:
         for name in ("pipx", "venv", "lean"):
             assert "/usr/local/bin" in "\n".join(recipe(name)), name
 
+    @pytest.mark.process  # an install recipe, run
     def test_venv_recipe(self, clone, tmp_path):
         """python3 -m venv, pip install . (not editable), a link: `jobrun` runs from cron."""
         root = tmp_path / "host"
@@ -105,6 +106,7 @@ class TestRecipes:
         assert key.returncode == 0, key.stderr
         assert key.stdout.splitlines()[1].split()[0] == "x"
 
+    @pytest.mark.process  # an install recipe, run
     def test_pipx_recipe(self, clone, tmp_path):
         """pipx with PIPX_HOME and PIPX_BIN_DIR (Debian 12's pipx 1.1 has no --global)."""
         if shutil.which("pipx") is None:
@@ -123,6 +125,7 @@ class TestRecipes:
         assert demo.returncode == 0, demo.stdout + demo.stderr
         assert "demo passed" in demo.stdout
 
+    @pytest.mark.process  # an install recipe, run
     def test_lean_recipe(self, clone, tmp_path):
         """--no-deps, then the runtime packages only: jobrun runs, no demo server is carried."""
         root = tmp_path / "host"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
 
 import psycopg
@@ -133,12 +132,9 @@ class TestLookalikes:
         assert "0xFF" in str(caught.value)
         assert "control" not in str(caught.value)
 
-    def test_non_utf8_key_on_the_command_line(self):
-        """The same through argv: exit 64 and "not valid UTF-8"."""
-        result = subprocess.run(
-            [*jobrun_cli.JOBRUN, "key", b"job\xff".decode("utf-8", "surrogateescape")],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+    def test_non_utf8_key_on_the_command_line(self, jobrun_here):
+        """The same through argv (as Python decodes it): exit 64 and "not valid UTF-8"."""
+        result = jobrun_here.run("key", b"job\xff".decode("utf-8", "surrogateescape"), dsn=None)
         assert result.returncode == 64
         assert "not valid UTF-8" in result.stderr
 

@@ -194,10 +194,10 @@ class TestConnectionErrors:
     """A server nobody answers for is said once, without libpq's repetitions."""
 
     @pytest.mark.parametrize("fmt", ["console", "logfmt"])
-    def test_each_address_refusing_is_said_once(self, key, fmt):
+    def test_each_address_refusing_is_said_once(self, jobrun_here, key, fmt):
         """Two host names, one closed port: Connection refused once, no hint, exit 69."""
         dsn = f"host=127.0.0.1,localhost port={closed_port()} user=nobody dbname=ops"
-        result = cli.run("--key", key, "--log-format", fmt, "--", "true", dsn=dsn)
+        result = jobrun_here.run("--key", key, "--log-format", fmt, "--", "true", dsn=dsn)
         assert result.returncode == 69, result.stderr
         (line,) = result.stderr.splitlines()
         assert line.count("Connection refused") == 1, line
@@ -205,11 +205,11 @@ class TestConnectionErrors:
         error = line.split('error="', 1)[1].split('"', 1)[0]
         assert len(error) <= WIDTH, error
 
-    def test_each_reason_is_said_with_its_addresses(self, key, tmp_path):
+    def test_each_reason_is_said_with_its_addresses(self, jobrun_here, key, tmp_path):
         """A socket that is not there and a closed port: each reason once, with its address."""
         port = closed_port()
         dsn = f"host={tmp_path},127.0.0.1 port={port} user=nobody dbname=ops"
-        result = cli.run("--key", key, "--log-format", "console", "--", "true", dsn=dsn)
+        result = jobrun_here.run("--key", key, "--log-format", "console", "--", "true", dsn=dsn)
         assert result.returncode == 69, result.stderr
         (line,) = result.stderr.splitlines()
         assert f"No such file or directory ({tmp_path}/.s.PGSQL.{port})" in line, line

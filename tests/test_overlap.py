@@ -592,9 +592,9 @@ class TestDatabase:
 class TestThroughCli:
     """``python -m jobrun overlap``: the command as the console script runs it."""
 
-    def test_help(self):
+    def test_help(self, jobrun_here):
         """--help describes the command and exits 0."""
-        result = jobrun_cli.run("overlap", "--help", dsn=None)
+        result = jobrun_here.run("overlap", "--help", dsn=None)
         assert result.returncode == 0, result.stderr
         assert "--start" in result.stdout
         assert "--order" in result.stdout
@@ -606,9 +606,9 @@ class TestThroughCli:
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "--second" in result.stderr
 
-    def test_unreachable_database_is_exit_69(self):
+    def test_unreachable_database_is_exit_69(self, jobrun_here):
         """No database to watch: exit 69 with one line."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "overlap", "--first", "true", "--second", "true", "--connect-timeout", "1s",
             dsn="host=127.0.0.1 port=1",
         )  # fmt: skip
@@ -705,11 +705,11 @@ class TestSecrets:
     """Bad input never echoes a password."""
 
     @pytest.mark.parametrize("option", ["--first", "--second"])
-    def test_quoting_error_masks_the_password(self, option):
+    def test_quoting_error_masks_the_password(self, jobrun_here, option):
         """A connection string in an unclosed quote: exit 64, one line, password masked."""
         command = "psql postgresql://postgres:Secr3tPw@127.0.0.1/x '"
         other = "--second" if option == "--first" else "--first"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "overlap", option, command, other, "true", dsn="host=127.0.0.1 port=1"
         )
         assert result.returncode == 64, result.stderr

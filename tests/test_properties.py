@@ -363,6 +363,7 @@ class TestCommandLines:
         out, err = capfd.readouterr()
         check(status, out, err, mark, full, env=env)
 
+    @pytest.mark.process  # raw argv bytes through the real entry point
     @settings(max_examples=PROCESS_EXAMPLES)
     @given(line=command_lines())
     def test_as_a_process(self, line, mark_dir):
@@ -497,6 +498,7 @@ class TestPasswordsInUris:
             assert printed.count(written) <= reference.count(written), shown
 
 
+@pytest.mark.process  # the guard of test_as_a_process, with it in the full suite
 def test_the_process_examples_use_the_real_entry_point():
     """The subprocess examples run what users run (a broken command would pass vacuously)."""
     result = jobrun_cli.run("key", "a", dsn=None)

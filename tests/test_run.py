@@ -633,10 +633,10 @@ class TestNoShell:
 class TestDatabaseDown:
     """No database: exit 69 and no child, unless --on-db-error run."""
 
-    def test_unreachable_database_exits_69_without_running(self, key, tmp_path):
+    def test_unreachable_database_exits_69_without_running(self, jobrun_here, key, tmp_path):
         """Connection refused: one error line, exit 69, child never started."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key",
             key,
             "--connect-timeout",
@@ -653,10 +653,10 @@ class TestDatabaseDown:
         assert unavailable["running_unguarded"] is False
         assert "Traceback" not in result.stderr
 
-    def test_on_db_error_run_runs_unguarded(self, key, tmp_path):
+    def test_on_db_error_run_runs_unguarded(self, jobrun_here, key, tmp_path):
         """--on-db-error run: the child runs and its status is ours; the line says so."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key",
             key,
             "--on-db-error",
@@ -775,13 +775,13 @@ class TestSecrets:
 
     SECRET = "hunter2-do-not-print"  # noqa: S105 - the point of the test
 
-    def test_password_in_failing_dsn_is_hidden(self, key):
+    def test_password_in_failing_dsn_is_hidden(self, jobrun_here, key):
         """Connection errors do not echo the password."""
         for dsn in (
             f"host=127.0.0.1 port=1 user=u password={self.SECRET}",
             f"postgresql://u:{self.SECRET}@127.0.0.1:1/db",
         ):
-            result = jobrun_cli.run("--key", key, "--dsn", dsn, "--", "true", dsn=None)
+            result = jobrun_here.run("--key", key, "--dsn", dsn, "--", "true", dsn=None)
             assert result.returncode == 69
             assert self.SECRET not in result.stderr + result.stdout
 

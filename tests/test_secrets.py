@@ -57,10 +57,12 @@ def every_line(stderr: str) -> list[dict[str, object]]:
 class TestUriPassword:
     """A password typed into a URI as it is, ``@`` included."""
 
-    def test_raw_at_sign_is_a_usage_error_that_shows_no_part_of_it(self, key, tmp_path):
+    def test_raw_at_sign_is_a_usage_error_that_shows_no_part_of_it(
+        self, jobrun_here, key, tmp_path
+    ):
         """``u:p@wX@host``: exit 64, told to write %40, and neither ``p`` nor ``wX`` shown."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key", key, "--", "touch", str(marker), dsn="postgresql://u:p@wXz9@127.0.0.1:1/db"
         )
         assert result.returncode == 64, result.stderr
@@ -69,9 +71,9 @@ class TestUriPassword:
         assert "p@" not in result.stderr
         assert not marker.exists()
 
-    def test_percent_encoded_password_is_masked_in_errors(self, key):
+    def test_percent_encoded_password_is_masked_in_errors(self, jobrun_here, key):
         """``p%40wXz9``: the server error names neither the password nor its pieces."""
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key", key, "--", "true", dsn="postgresql://u:p%40wXz9@127.0.0.1:1/db"
         )
         assert result.returncode == 69, result.stderr
@@ -112,15 +114,15 @@ class TestShortPasswords:
 class TestDsnErrors:
     """A connection string that does not parse says what is wrong, minus the password."""
 
-    def test_garbage_is_named(self, key):
+    def test_garbage_is_named(self, jobrun_here, key):
         """``--dsn garbage``: the error quotes ``garbage``."""
-        result = jobrun_cli.run("--key", key, "--", "true", dsn="garbage")
+        result = jobrun_here.run("--key", key, "--", "true", dsn="garbage")
         assert result.returncode == 64
         assert '"garbage"' in result.stderr
 
-    def test_password_in_a_bad_dsn_is_hidden(self, key):
+    def test_password_in_a_bad_dsn_is_hidden(self, jobrun_here, key):
         """An unterminated quote after the password: the error does not quote the password."""
-        result = jobrun_cli.run("--key", key, "--", "true", dsn="host=h password=hunter2 port")
+        result = jobrun_here.run("--key", key, "--", "true", dsn="host=h password=hunter2 port")
         assert result.returncode == 64
         assert "hunter2" not in result.stderr
         assert "connection string" in result.stderr
@@ -366,10 +368,10 @@ class TestKeptOutput:
         _, err = kept(dsn, ran.stderr)
         assert err == b"using ***\n"
 
-    def test_a_name_that_cannot_be_a_variable_is_a_usage_error(self, key, tmp_path):
+    def test_a_name_that_cannot_be_a_variable_is_a_usage_error(self, jobrun_here, key, tmp_path):
         """--mask-env 'A B': exit 64, the child never started."""
         marker = tmp_path / "ran"
-        ran = jobrun_cli.run(
+        ran = jobrun_here.run(
             "--key", key, "--mask-env", "A B", "--", "touch", str(marker), dsn=UNREACHABLE
         )
         assert ran.returncode == 64
@@ -559,19 +561,19 @@ class TestUriForms:
     """Every way of writing a URI is masked or refused, wherever jobrun prints it."""
 
     @pytest.mark.parametrize("command", [[], ["status"], ["doctor"]])
-    def test_a_raw_slash_in_the_password_is_a_usage_error(self, key, command):
+    def test_a_raw_slash_in_the_password_is_a_usage_error(self, jobrun_here, key, command):
         """``u:q8Zr/Tk3+Vb9w=@h``: exit 64, told to write %2F, no piece of it shown."""
         argv = [*command] if command else ["--key", key, "--", "true"]
-        ran = jobrun_cli.run(*argv, dsn="postgresql://u:q8Zr/Tk3+Vb9w=@127.0.0.1:1/db")
+        ran = jobrun_here.run(*argv, dsn="postgresql://u:q8Zr/Tk3+Vb9w=@127.0.0.1:1/db")
         assert ran.returncode == 64, ran.stderr
         assert "%2F" in ran.stderr
         assert "q8Zr" not in ran.stderr
         assert "Tk3" not in ran.stderr
 
     @pytest.mark.parametrize("scheme", ["postgresql+psycopg", "postgresql+asyncpg"])
-    def test_a_driver_qualified_uri_is_refused_without_its_password(self, key, scheme):
+    def test_a_driver_qualified_uri_is_refused_without_its_password(self, jobrun_here, key, scheme):
         """SQLAlchemy's ``postgresql+psycopg://``: exit 64, names the fix, not the password."""
-        ran = jobrun_cli.run(
+        ran = jobrun_here.run(
             "--key", key, "--", "true", dsn=f"{scheme}://u:pw9Secret@127.0.0.1:1/db"
         )
         assert ran.returncode == 64, ran.stderr

@@ -181,14 +181,19 @@ class TestOtherLines:
         run_id = job.fails_printing(f"dw login {other} failed", options=("--keep-output", "4KiB"))
         assert stderr_kept(job.owner_dsn, run_id) == b"dw login *** failed\n"
 
-    def test_with_the_database_down_the_password_is_still_masked(self, tmp_path, monitor):
+    def test_with_the_database_down_the_password_is_still_masked(
+        self, jobrun_here, tmp_path, monitor, monkeypatch
+    ):
         """No connection (the child runs anyway, --on-db-error run): the end ping says ***."""
         pgpass = write_private(tmp_path / "pgpass", f"*:*:*:*:{escaped(PASSWORD)}\n")
-        ran = run(
+        for name in PASSWORD_SOURCES:  # as run() leaves them out
+            monkeypatch.delenv(name, raising=False)
+        ran = jobrun_here.run(
             *("--key", "sources-down", "--on-db-error", "run", "--keep-output", "4KiB"),
             *("--ping", monitor.url, "--", sys.executable, "-c", CHILD, PASSWORD),
             dsn="host=127.0.0.1 port=1 user=u dbname=d",
             env={"PGPASSFILE": str(pgpass)},
+            forked=True,  # the pinger's thread ends with its process
         )
         assert ran.returncode == 3, ran.stderr
         body = monitor.bodies["/ping/sources/3"]

@@ -388,10 +388,10 @@ class TestTls:
         assert event(result.stderr, "lockstore_unavailable")["reason"] == "tls"
         assert not marker.exists()
 
-    def test_an_outage_still_runs_unguarded_when_asked(self, key, tmp_path):
+    def test_an_outage_still_runs_unguarded_when_asked(self, jobrun_here, key, tmp_path):
         """Nobody listening is an outage: --on-db-error run runs the child (and says so)."""
         marker = tmp_path / "ran"
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "--key",
             key,
             "--on-db-error",

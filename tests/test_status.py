@@ -445,9 +445,9 @@ class TestWiredThroughCli:
         (run,) = json.loads(result.stdout)
         assert (run["outcome"], run["exit_code"], run["program"]) == ("failed", 3, "sh")
 
-    def test_unreachable_exits_69_with_one_line(self, key):
+    def test_unreachable_exits_69_with_one_line(self, jobrun_here, key):
         """No database: exit 69 and one error line on stderr."""
-        result = jobrun_cli.run("status", key, dsn="host=127.0.0.1 port=1 connect_timeout=2")
+        result = jobrun_here.run("status", key, dsn="host=127.0.0.1 port=1 connect_timeout=2")
         assert result.returncode == 69
         assert len(result.stderr.strip().splitlines()) == 1
 

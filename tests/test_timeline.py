@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 
-from harness import jobrun_cli
+from harness import jobrun_cli, jobrun_inprocess
 from jobrun.analysis.timeline import model
 from support.history import ensure_runs_table
 
@@ -105,9 +105,9 @@ def insert(
 
 
 def draw(tmp_path: Path, *args: str, dsn: str | None) -> Elements:
-    """``jobrun timeline ARGS --html FILE``, which must exit 0; the file's elements."""
+    """``jobrun timeline ARGS --html FILE`` (in this process), which must exit 0; the elements."""
     page = tmp_path / f"timeline-{uuid.uuid4().hex[:6]}.html"
-    result = jobrun_cli.run("timeline", *args, "--html", str(page), dsn=dsn)
+    result = jobrun_inprocess.run("timeline", *args, "--html", str(page), dsn=dsn)
     assert result.returncode == 0, result.stderr
     return Elements(page.read_text())
 
@@ -295,12 +295,12 @@ class TestEscaping:
         assert [lane["data-lane"] for lane in found.with_id("lane-")] == [HOSTILE_KEY]
         assert [run["data-host"] for run in found.with_id("run-")] == [HOSTILE_HOST]
 
-    def test_control_characters_in_a_command_are_shown_escaped(self, tmp_path):
+    def test_control_characters_in_a_command_are_shown_escaped(self, jobrun_here, tmp_path):
         """An escape sequence in a cron command is written ``\\x1b``, never raw."""
         cron = tmp_path / "syslog"
         cron.write_text("Dec  1 02:00:01 db1 CRON[4120]: (jobs) CMD (./x.sh \x1b[2J)\n")
         page = tmp_path / "c.html"
-        result = jobrun_cli.run("timeline", "--cron-log", str(cron), "--html", str(page), dsn=None)
+        result = jobrun_here.run("timeline", "--cron-log", str(cron), "--html", str(page), dsn=None)
         assert result.returncode == 0, result.stderr
         assert "\x1b" not in page.read_text()
         assert "./x.sh \\x1b[2J" in page.read_text()
@@ -396,38 +396,38 @@ class TestLogs:
 class TestCommand:
     """What the command refuses, with its exit status."""
 
-    def test_no_file_to_write_is_usage_64(self):
+    def test_no_file_to_write_is_usage_64(self, jobrun_here):
         """Neither --html nor --svg: 64, saying what to give."""
-        result = jobrun_cli.run("timeline", "some-key", dsn=None)
+        result = jobrun_here.run("timeline", "some-key", dsn=None)
         assert result.returncode == 64
         assert "--html FILE or --svg FILE" in result.stderr
 
-    def test_nothing_to_draw_is_usage_64(self, tmp_path):
+    def test_nothing_to_draw_is_usage_64(self, jobrun_here, tmp_path):
         """No KEY and no log of runs (a --log alone has deadlocks, no runs): 64."""
         log = tmp_path / "postgresql.log"
         log.write_text(deadlock_log("2026-12-01 02:10:00.000"))
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "timeline", "--log", str(log), "--html", str(tmp_path / "t.html"), dsn=None
         )
         assert result.returncode == 64
         assert "nothing to draw" in result.stderr
 
-    def test_html_to_standard_output(self, tmp_path):
+    def test_html_to_standard_output(self, jobrun_here, tmp_path):
         """--html -: the page on standard output, no file, no summary line."""
         cron = tmp_path / "syslog"
         cron.write_text("Dec  1 02:00:01 db1 CRON[1]: (app) CMD (./a.sh)\n")
-        result = jobrun_cli.run("timeline", "--cron-log", str(cron), "--html", "-", dsn=None)
+        result = jobrun_here.run("timeline", "--cron-log", str(cron), "--html", "-", dsn=None)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith("<!DOCTYPE html>")
         assert "wrote" not in result.stdout
 
     @pytest.mark.parametrize("flag", ["--log", "--cron-log", "--sessions-from"])
-    def test_a_missing_log_is_66(self, tmp_path, flag):
+    def test_a_missing_log_is_66(self, jobrun_here, tmp_path, flag):
         """A log that does not exist: 66, nothing written."""
         page = tmp_path / "t.html"
         cron = tmp_path / "syslog"
         cron.write_text("Dec  1 02:00:01 db1 CRON[1]: (app) CMD (./a.sh)\n")
-        result = jobrun_cli.run(
+        result = jobrun_here.run(
             "timeline",
             "--cron-log",
             str(cron),
@@ -440,12 +440,12 @@ class TestCommand:
         assert result.returncode == 66
         assert not page.exists()
 
-    def test_svg_is_one_standalone_image(self, tmp_path):
+    def test_svg_is_one_standalone_image(self, jobrun_here, tmp_path):
         """--svg: an SVG document of its own (XML), its styles inside."""
         cron = tmp_path / "syslog"
         cron.write_text('Dec  1 02:00:01 db1 CRON[1]: (app) CMD (./a.sh <&> "q")\n')
         image = tmp_path / "t.svg"
-        result = jobrun_cli.run("timeline", "--cron-log", str(cron), "--svg", str(image), dsn=None)
+        result = jobrun_here.run("timeline", "--cron-log", str(cron), "--svg", str(image), dsn=None)
         assert result.returncode == 0, result.stderr
         root = ET.parse(image).getroot()  # noqa: S314 - our own output
         assert root.tag == "{http://www.w3.org/2000/svg}svg"
@@ -501,7 +501,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
     log = where / "postgresql.log"
     log.write_text(deadlock_log("2026-12-01 02:10:00.000"))
     page = where / "timeline.html"
-    result = jobrun_cli.run(
+    result = jobrun_inprocess.run(
         "timeline", "--cron-log", str(cron), "--log", str(log), "--html", str(page), dsn=None
     )
     assert result.returncode == 0, result.stderr

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from harness import jobrun_cli
+from harness import jobrun_cli, jobrun_inprocess
 from harness.jobrun_cli import event
 from harness.proxy import TcpProxy
 
@@ -159,9 +159,9 @@ def declining() -> Iterator[DecliningServer]:
 def run_guarded(
     dsn: str, key: str, tmp_path: Path, env: dict[str, str] | None = None, *unguarded: str
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """A run whose child makes a file; ``unguarded`` adds e.g. ``--on-db-error run``."""
+    """A run (in this process) whose child makes a file; ``unguarded``: ``--on-db-error run``."""
     marker = tmp_path / "ran"
-    result = jobrun_cli.run(
+    result = jobrun_inprocess.run(
         "--key", key, *unguarded, "--", "touch", str(marker), dsn=dsn,
         env=env,
     )  # fmt: skip

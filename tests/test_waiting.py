@@ -90,21 +90,21 @@ class TestWaitingForTheLock:
 class TestStillConnecting:
     """A server that accepts and never answers: one line after 2 s, the password masked."""
 
-    def test_a_run_logs_still_connecting_once(self, silent_listener, key):
+    def test_a_run_logs_still_connecting_once(self, jobrun_here, silent_listener, key):
         """Event still_connecting with the address, then exit 69; the password nowhere."""
         dsn = f"postgresql://u:{PASSWORD}@127.0.0.1:{silent_listener}/d"
         timeout = f"{2 * db.SLOW_CONNECT:g}s"
-        result = jobrun_cli.run("--key", key, "--connect-timeout", timeout, "--", "true", dsn=dsn)
+        result = jobrun_here.run("--key", key, "--connect-timeout", timeout, "--", "true", dsn=dsn)
         assert result.returncode == 69, result.stderr
         line = jobrun_cli.event(result.stderr, "still_connecting")
         assert line["target"] == f"127.0.0.1:{silent_listener}/d"
         assert PASSWORD not in result.stderr
 
-    def test_a_subcommand_says_it_is_still_connecting(self, silent_listener):
+    def test_a_subcommand_says_it_is_still_connecting(self, jobrun_here, silent_listener):
         """`jobrun status`: one line on stderr naming the address, then exit 69."""
         dsn = f"postgresql://u:{PASSWORD}@127.0.0.1:{silent_listener}/d"
         timeout = f"{2 * db.SLOW_CONNECT:g}s"
-        result = jobrun_cli.run("status", "--connect-timeout", timeout, dsn=dsn)
+        result = jobrun_here.run("status", "--connect-timeout", timeout, dsn=dsn)
         assert result.returncode == 69
         assert result.stderr.count("still connecting") == 1
         assert f"still connecting to 127.0.0.1:{silent_listener}/d" in result.stderr
