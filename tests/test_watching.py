@@ -409,3 +409,25 @@ class TestRequires:
         )  # fmt: skip
         assert result.returncode == 64
         assert result.stderr.count("\n") == 1
+
+
+class TestTablesInAZone:
+    """status --tz and history --tz: the tables' times in the zone; --json stays UTC."""
+
+    def test_status_and_history_show_local_times(self, dsn, key):
+        start = utc("2026-07-01 10:00")  # CEST: 12:00 in Berlin
+        insert_run(dsn, key, started_at=start, duration=60.0)
+        status = jobrun_cli.run("status", key, "--wide", "--tz", BERLIN, dsn=dsn)
+        assert status.returncode == 0, status.stderr
+        assert "2026-07-01 12:01:00 CEST" in status.stdout
+        history = jobrun_cli.run("history", key, "--tz", BERLIN, dsn=dsn)
+        assert "2026-07-01 12:00:00 CEST" in history.stdout
+        plain = jobrun_cli.run("history", key, dsn=dsn)
+        assert "2026-07-01 10:00:00Z" in plain.stdout
+        as_json = jobrun_cli.run("history", key, "--json", "--tz", BERLIN, dsn=dsn)
+        assert json.loads(as_json.stdout)[0]["started_at"] == "2026-07-01T10:00:00+00:00"
+
+    def test_a_bad_zone_is_one_line_exit_64(self, dsn):
+        result = jobrun_cli.run("status", "--tz", "Nowhere/Town", dsn=dsn)
+        assert result.returncode == 64
+        assert result.stderr.count("\n") == 1

@@ -187,16 +187,16 @@ class Settings:
     warn_after: float | str | None = option(
         "--warn-after",
         flags.WarnAfter(minimum="1s", why="a run is slow past it"),
+        metavar="DURATION|auto",
         help="One slow_run warning (log, --on-alert, --ping /log) when the child runs past "
         "this, e.g. 30m; auto: 1.5 x the p95 of the key's last 30 successes. Never stops it.",
     )
     #: None: UTC (as before --tz existed).
-    tz: str | None = option(
-        "--tz",
-        flags.Zone(),
-        metavar="ZONE",
-        help="IANA time zone of --once-per's day windows (1d: local midnight to local "
-        "midnight, 23 or 25 hours across DST); default UTC.",
+    tz: str | None = declared(
+        flags.tz.but(
+            help="IANA time zone of --once-per's day windows (1d: local midnight to local "
+            "midnight, 23 or 25 hours across DST); default UTC."
+        )
     )
     requires: tuple[str, ...] = option(
         "--requires",
