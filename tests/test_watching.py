@@ -154,6 +154,20 @@ class TestWarnAfter:
         (row,) = rows_of(dsn, key)
         assert row["slow_after"] == 1.0
 
+    def test_a_failing_hook_is_reported_as_failing(self, dsn, key, tmp_path, mode):
+        """The hook runs while the supervisor reaps orphans: its exit status is still its own."""
+        calls = tmp_path / "calls"
+        failing = shlex.join(
+            ["sh", "-c", f'cat > /dev/null; echo x > "{calls}"; echo nope >&2; exit 3']
+        )
+        result = jobrun_cli.run(
+            "--key", key, "--mode", mode, "--warn-after", "1s", "--on-alert", failing,
+            "--", *waits_for(calls), dsn=dsn, timeout=PATIENCE + 30,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        failed = event(result.stderr, "alert_failed")
+        assert (failed["alert"], failed["exit_code"], failed["stderr"]) == ("slow_run", 3, "nope")
+
     def test_a_quick_run_says_nothing_and_records_no_bound(self, dsn, key, mode):
         """Under the bound: no warning, no slow_after, and the same round trips as without."""
         plain = jobrun_cli.run(

@@ -107,7 +107,8 @@ class _GuardedRun:
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
-                self.status = self._child().run(child_mask, None, self.listeners.unguarded())
+                child = self._child(warn=self._warn_bound())
+                self.status = child.run(child_mask, None, self.listeners.unguarded())
             return self.status
         if isinstance(got, Holder):  # held by someone else: skip
             try:

@@ -363,20 +363,43 @@ def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) 
         group.send(info.si_signo)
 
 
+#: Processes that one of jobrun's own threads started and reaps itself (a slow run's
+#: ``--on-alert`` hook, while the child runs): the orphan reaper leaves them to it, or the
+#: thread would find its process gone and take any exit status for 0. A pid is added under
+#: the lock together with its fork (``spawning``), so the reaper never sees it unknown.
+_SPARED: set[int] = set()
+_SPARING = threading.Lock()
+
+
+@contextlib.contextmanager
+def spawning() -> Iterator[Callable[[int], None]]:
+    """Hold the reaper off while a thread starts a process; yield how to spare its pid."""
+    with _SPARING:
+        yield _SPARED.add
+
+
+def reaped_by_owner(pid: int) -> None:
+    """The pid's owner has reaped it: the reaper may take that pid again."""
+    with _SPARING:
+        _SPARED.discard(pid)
+
+
 def _reap_orphans(keep: int | None = None) -> None:
     """Collect exited descendants that were re-parented to us (we are their subreaper).
 
-    ``keep`` is left for its owner to reap: the child itself, whose status Popen must see.
+    ``keep`` is left for its owner to reap: the child itself, whose status Popen must see;
+    so are the processes jobrun's threads started (``spawning``).
     """
     while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # no children at all
-            return
-        if info is None or info.si_pid == keep:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(info.si_pid, 0)
+        with _SPARING:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # no children at all
+                return
+            if info is None or info.si_pid == keep or info.si_pid in _SPARED:
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(info.si_pid, 0)
 
 
 def _clear_group(
