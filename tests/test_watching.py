@@ -445,3 +445,9 @@ class TestTablesInAZone:
         result = jobrun_cli.run("status", "--tz", "Nowhere/Town", dsn=dsn)
         assert result.returncode == 64
         assert result.stderr.count("\n") == 1
+
+    def test_show_gives_the_start_in_the_zone(self, dsn, key):
+        result = jobrun_cli.run("--key", key, "--keep-output", "1KiB", "--", "false", dsn=dsn)
+        assert result.returncode == 1, result.stderr
+        shown = jobrun_cli.run("show", key, "--tz", "Asia/Tokyo", dsn=dsn)
+        assert "+09:00  outcome failed" in shown.stdout.splitlines()[0]

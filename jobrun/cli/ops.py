@@ -261,8 +261,9 @@ def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     help="The kept bytes exactly as the job wrote them, terminal escapes included; "
     "refused (64) when standard output is a terminal.",
 )
+@flags.tz
 @flags.database
-def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> int:
+def show_command(run_id: str, raw: bool, tz: str | None, dsn: str, connect_timeout: float) -> int:
     """Print the output tails a failed run kept (--keep-output), by its run id or KEY.
 
     RUN_ID: the run id of its event lines, or its first digits as `jobrun history` shows
@@ -293,7 +294,7 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1
-    _write_bytes(kept.render(run, raw=raw))
+    _write_bytes(kept.render(run, raw=raw, zone=tz))
     return 0 if run["stdout"] is not None or run["stderr"] is not None else 1
 
 
