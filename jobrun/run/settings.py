@@ -12,7 +12,7 @@ from jobrun.exitcodes import Exit, UsageError
 from jobrun.flags import Duration, Option
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from jobrun import keys
 
@@ -310,6 +310,7 @@ class Settings:
                 "heartbeat": heartbeat,
                 "min_hold": given["min_hold"] or None,
                 "expect_grace": None if every is None else every / 10 if grace is None else grace,
+                "requires": _required(given["requires"]),
             },
             run_keys=run_keys,
             dsn_on_command_line=dsn_on_command_line,
@@ -351,17 +352,23 @@ def _check_watching(given: Mapping[str, Any]) -> None:
         )
     if given["requires"] and no_history:
         raise UsageError("--requires reads the run history: drop --no-history")
-    if given["requires"]:
-        from jobrun import keys  # noqa: PLC0415 - only with --requires
 
-        for label in given["requires"]:
-            for name in label.split(","):
-                if name.startswith(keys.LOCK_ID_PREFIX) and name[8:].lstrip("-").isdigit():
-                    continue  # a raw --lock-id key's label: lock-id:N
-                try:
-                    keys.validate_name(name)
-                except UsageError as exc:
-                    raise UsageError(f"--requires {label!r}: {exc}") from None
+
+def _required(labels: tuple[str, ...]) -> tuple[str, ...]:
+    """--requires' key labels as the history records them (``b,a`` is the run ``a,b``)."""
+    if not labels:
+        return labels
+    from jobrun import keys  # noqa: PLC0415 - only with --requires
+
+    return tuple(_normalized(keys.normalized_label, label) for label in labels)
+
+
+def _normalized(normalize: Callable[[str], str], label: str) -> str:
+    """One --requires label normalized; a bad one is a usage error that names it."""
+    try:
+        return normalize(label)
+    except UsageError as exc:
+        raise UsageError(f"--requires {label!r}: {exc}") from None
 
 
 def _keeps_output(keep_output: str | None) -> bool:
