@@ -154,6 +154,22 @@ class TestWarnAfter:
         (row,) = rows_of(dsn, key)
         assert row["slow_after"] == 1.0
 
+    def test_a_role_that_cannot_add_the_column_keeps_its_end_row(self, teams, tmp_path, mode):
+        """A history made before slow_after, a tenant role: the run is recorded without it."""
+        with psycopg.connect(teams.owner, autocommit=True) as conn:
+            conn.execute("ALTER TABLE jobrun.runs DROP COLUMN slow_after")
+        calls = tmp_path / "calls"
+        result = jobrun_cli.run(
+            "--key", "a-slow", "--mode", mode, "--warn-after", "1s",
+            "--on-alert", hook_writes(calls), "--", *waits_for(calls),
+            dsn=teams.a, timeout=PATIENCE + 30,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert event(result.stderr, "slow_run")["bound"] == 1.0
+        (row,) = rows_of(teams.owner, "a-slow")
+        assert row["outcome"] == "succeeded"
+        assert "slow_after" not in row
+
     def test_a_failing_hook_is_reported_as_failing(self, dsn, key, tmp_path, mode):
         """The hook runs while the supervisor reaps orphans: its exit status is still its own."""
         calls = tmp_path / "calls"
