@@ -84,6 +84,10 @@ FLOOR = run_by_hand()
 CONNECT = 'import os, psycopg; psycopg.connect(os.environ["JOBRUN_DSN"]).close()'
 
 
+#: --tz's zone in the --once-per case.
+BERLIN = "Europe/Berlin"
+
+
 @dataclass
 class Case:
     """One command: its argv (after JOBRUN, unless ``raw``), an untimed setup before each run."""
@@ -184,6 +188,17 @@ class Variant:
                 ("--keep-output", "16KiB", "--key", key("keep"), "--", "false"),
             ),
             Case("--ping", ("--ping", ping_url, "--key", key("ping"), "--", "true")),
+            # --warn-after auto and --requires ride on the history's start message; --tz
+            # changes only the window's arithmetic: each costs what a plain run (skip) does.
+            Case("--warn-after auto", ("--warn-after", "auto", "--key", key("warn"), "--", "true")),
+            Case(
+                "--requires KEY",
+                ("--requires", key("once-per"), "--key", key("requires"), "--", "true"),
+            ),
+            Case(
+                "--once-per 1d --tz (skip)",
+                ("--once-per", "1d", "--tz", BERLIN, "--key", key("once-per"), "--", "true"),
+            ),
             Case("status", ("status",)),
             Case("status KEY", ("status", key("run"))),
             Case("history KEY", ("history", key("run"))),

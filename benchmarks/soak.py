@@ -272,8 +272,24 @@ class Soak:
         ]
         if run.mode == "lease":
             options += ["--ttl", f"{a.ttl}s"]
+        options += self.watching(rng)
         child = [sys.executable, str(self.child), str(self.work), run.token, run_for, on_term]
         return [sys.executable, "-m", "jobrun", *options, "--", *child]
+
+    def watching(self, rng: random.Random) -> list[str]:
+        """--warn-after (a bound, or auto) and --requires (the key itself) for a share of runs.
+
+        Neither may change what the soak counts: a slow run is not stopped, and a run whose
+        requirement is not met (the key's last run failed under a fault) skips with 75.
+        """
+        share = self.args.watch_share
+        options: list[str] = []
+        if rng.random() < share:
+            bound = rng.choice(["auto", f"{rng.uniform(1.0, max(1.0, self.args.max_run)):.2f}s"])
+            options += ["--warn-after", bound]
+        if rng.random() < share / 2:
+            options += ["--requires", KEY, "--requires-within", "1h"]
+        return options
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
@@ -720,6 +736,12 @@ def main() -> int:
     parser.add_argument("--max-freeze", type=float, default=2.0, help="seconds")
     parser.add_argument("--max-blackhole", type=float, default=6.0, help="seconds")
     parser.add_argument("--hang-after", type=float, default=180.0, help="a jobrun this slow hangs")
+    parser.add_argument(
+        "--watch-share",
+        type=float,
+        default=0.25,
+        help="share of runs with --warn-after (half as many with --requires KEY)",
+    )
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--progress", action="store_true", help="a line every 5 s on stderr")

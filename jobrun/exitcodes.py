@@ -49,7 +49,9 @@ TABLE: tuple[tuple[str, str], ...] = (
             "where sslmode asks for it, `require` over a network unless set; never run "
             "unguarded), `not_granted` (after `jobrun "
             "init`, the role was not granted the key; never run unguarded), `standby`, "
-            "`transaction_pooler`, `history_unavailable` (`--once-per`)"
+            "`transaction_pooler`, `history_unavailable` (`--once-per`, `--requires`); "
+            "after `jobrun init`, `not_granted` also for a `--requires` key the role may "
+            "not read"
         ),
     ),
     (

@@ -136,6 +136,42 @@ class Duration(click.ParamType):  # type: ignore[type-arg]
         return seconds
 
 
+class WarnAfter(Duration):
+    """``--warn-after``: a duration, or ``auto`` (derived from the key's past successes)."""
+
+    name = "duration|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """Seconds, or the text ``auto``."""
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return super().convert(value, param, ctx)
+        except UsageError as exc:
+            raise UsageError(f"{exc}; or auto") from None
+
+
+class Zone(click.ParamType):  # type: ignore[type-arg]
+    """An IANA time zone name (``Europe/Berlin``), checked against the zone database."""
+
+    name = "zone"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The name; a usage error naming the flag or variable when no zone has it."""
+        import zoneinfo  # only when a zone is given
+
+        text = str(value).strip()
+        try:
+            # A path (``../etc``) or an empty name is no zone: zoneinfo raises ValueError.
+            zoneinfo.ZoneInfo(text)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise UsageError(
+                f"{source_of(param, ctx)}: {text!r} is not a time zone name "
+                "(an IANA name such as UTC, Europe/Berlin or America/New_York)"
+            ) from None
+        return text
+
+
 class Lines(click.ParamType):  # type: ignore[type-arg]
     """Text whose environment variable holds one value per line (key names)."""
 
@@ -308,6 +344,14 @@ wide = Option(
     variable=False,
     help="Every column, nothing shortened (without it the table fits 120 columns: long "
     "keys, holders and notes end in …).",
+)
+
+#: Times shown in a zone (``status``, ``history``): UTC unless given.
+tz = Option(
+    "--tz",
+    Zone(),
+    metavar="ZONE",
+    help="Show times in this IANA time zone (e.g. Europe/Berlin) instead of UTC.",
 )
 
 #: Reading server and scheduler logs (``deadlocks`` and ``timeline``).

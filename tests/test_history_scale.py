@@ -79,6 +79,7 @@ def _params(**extra: object) -> dict[str, object]:
         "alert_after": 3,
         "repeat": 3600.0,
         "pause_keys": [KEY],
+        "tz": None,
         "expect_every": None,
         "expect_grace": None,
         **extra,

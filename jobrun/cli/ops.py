@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     help="With --check: a key failing this many times in a row is failing; 0: never.",
 )
 @flags.wide
+@flags.tz
 @flags.database
 @flags.as_json
 def status_command(  # noqa: PLR0917 - click passes one parameter per option
@@ -38,6 +39,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     check: bool,
     alert_after: int,
     wide: bool,
+    tz: str | None,
     dsn: str,
     connect_timeout: float,
     as_json: bool,
@@ -68,7 +70,8 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     if as_json:
         click.echo(json.dumps([row.as_json() for row in rows], indent=2))
     elif rows:
-        click.echo(status.status_table(rows, wide=wide))
+        with status.shown_in(tz):
+            click.echo(status.status_table(rows, wide=wide))
     elif found.unreadable:
         click.echo(f"nothing to show: {', '.join(found.unreadable)} not readable")
     elif not unknown:
@@ -76,7 +79,8 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     if check:
         # A check that could not look is no all-clear (the notes above say what was refused).
         problems = [f"cannot check: {what} not readable" for what in found.unreadable]
-        problems += status.check_lines(found.keys, alert_after)
+        with status.shown_in(tz):
+            problems += status.check_lines(found.keys, alert_after)
         problems += [str(records.NeverRecorded(label)) for label in unknown]
         for line in problems:
             click.echo(f"jobrun: {line}", err=True)
@@ -99,6 +103,7 @@ def status_command(  # noqa: PLR0917 - click passes one parameter per option
     metavar="DURATION",
     help="With --overlapping: only runs of KEY that started within this long, e.g. 30d.",
 )
+@flags.tz
 @flags.database
 @flags.as_json
 def history_command(  # noqa: PLR0917 - click passes one parameter per option
@@ -106,6 +111,7 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
     limit: int,
     other_label: str | None,
     since: float | None,
+    tz: str | None,
     dsn: str,
     connect_timeout: float,
     as_json: bool,
@@ -134,7 +140,8 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
         if as_json:
             click.echo(json.dumps(pairs or [], indent=2, default=str))
         elif pairs:
-            click.echo(status.overlap_table(pairs))
+            with status.shown_in(tz):
+                click.echo(status.overlap_table(pairs))
         else:
             click.echo(f"no run of {key_label} overlapped a run of {other_label}")
         return 0
@@ -150,7 +157,8 @@ def history_command(  # noqa: PLR0917 - click passes one parameter per option
     if as_json:
         click.echo(json.dumps(runs, indent=2, default=str))
     elif runs:
-        click.echo(status.history_table(runs))
+        with status.shown_in(tz):
+            click.echo(status.history_table(runs))
     else:
         click.echo(f"no runs of {key_label} in the history")
     return 0
@@ -253,8 +261,9 @@ def deadlocks_command(  # noqa: PLR0917 - click passes one parameter per option
     help="The kept bytes exactly as the job wrote them, terminal escapes included; "
     "refused (64) when standard output is a terminal.",
 )
+@flags.tz
 @flags.database
-def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> int:
+def show_command(run_id: str, raw: bool, tz: str | None, dsn: str, connect_timeout: float) -> int:
     """Print the output tails a failed run kept (--keep-output), by its run id or KEY.
 
     RUN_ID: the run id of its event lines, or its first digits as `jobrun history` shows
@@ -285,7 +294,7 @@ def show_command(run_id: str, raw: bool, dsn: str, connect_timeout: float) -> in
     if run is None:
         click.echo(f"jobrun: no run {run_id} in the history", err=True)
         return 1
-    _write_bytes(kept.render(run, raw=raw))
+    _write_bytes(kept.render(run, raw=raw, zone=tz))
     return 0 if run["stdout"] is not None or run["stderr"] is not None else 1
 
 

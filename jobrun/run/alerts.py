@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from jobrun import db
 from jobrun.exitcodes import UsageError, from_wait_status
+from jobrun.run import supervise
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -86,54 +87,61 @@ def deliver(
     env = environment(event, base)
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-            # WARNING: the runner blocks the signals it waits for, and a blocked mask is
-            # inherited across exec; the hook must be killable like any other program.
-            preexec_fn=_unblock_signals,  # noqa: PLW1509 - only resets the signal mask
-        )
+        # While the child runs (a slow run's hook, on a thread), the supervisor reaps what
+        # exits under it: the hook is spared, this thread reaps it.
+        with supervise.spawning() as spare:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                # WARNING: the runner blocks the signals it waits for, and a blocked mask is
+                # inherited across exec; the hook must be killable like any other program.
+                preexec_fn=_unblock_signals,  # noqa: PLW1509 - only resets the signal mask
+            )
+            spare(proc.pid)
     except OSError as exc:
         log.warning(
             "alert_failed", alert=name, reason="cannot_execute", command=argv[0], error=exc.strerror
         )
         return False
     try:
-        _, stderr = proc.communicate(payload, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        # Not communicate(): something that left the group may still hold the pipe open.
-        for pipe in (proc.stdin, proc.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-        log.warning(
-            "alert_failed", alert=name, reason="timed_out", command=argv[0], timeout=timeout
-        )
-        return False
-    duration = round(time.monotonic() - started, 3)
-    if proc.returncode != 0:
-        # WARNING: the hook has our environment (PGPASSWORD included) and may print it. Mask
-        # before cutting the tail, or a secret cut in two would show its second half.
-        text = db.redact(stderr.decode("utf-8", "replace"), hidden)
-        log.warning(
-            "alert_failed",
-            alert=name,
-            reason="exit_status",
-            command=argv[0],
-            exit_code=from_wait_status(proc.returncode),
-            stderr=text[-STDERR_TAIL:].strip(),
-            duration=duration,
-        )
-        return False
-    log.info("alert_sent", alert=name, command=argv[0], duration=duration)
-    return True
+        try:
+            _, stderr = proc.communicate(payload, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            # Not communicate(): something that left the group may still hold the pipe open.
+            for pipe in (proc.stdin, proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+            log.warning(
+                "alert_failed", alert=name, reason="timed_out", command=argv[0], timeout=timeout
+            )
+            return False
+        duration = round(time.monotonic() - started, 3)
+        if proc.returncode != 0:
+            # WARNING: the hook has our environment (PGPASSWORD included) and may print it. Mask
+            # before cutting the tail, or a secret cut in two would show its second half.
+            text = db.redact(stderr.decode("utf-8", "replace"), hidden)
+            log.warning(
+                "alert_failed",
+                alert=name,
+                reason="exit_status",
+                command=argv[0],
+                exit_code=from_wait_status(proc.returncode),
+                stderr=text[-STDERR_TAIL:].strip(),
+                duration=duration,
+            )
+            return False
+        log.info("alert_sent", alert=name, command=argv[0], duration=duration)
+        return True
+    finally:
+        supervise.reaped_by_owner(proc.pid)
 
 
 def _masked(value: object, secrets: tuple[str, ...]) -> object:

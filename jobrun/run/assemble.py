@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity, Lock
     from jobrun.run.notify import NoHistory
-    from jobrun.run.recorder import Recorder
+    from jobrun.run.recorder import Recorder, StartChecks
     from jobrun.run.settings import Settings
     from jobrun.run.waiting import WaitReporter
 
@@ -94,6 +94,7 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         min_hold=settings.min_hold,
         once_per=settings.once_per,
         pass_env=settings.pass_env,
+        warn_after=settings.warn_after,
     )
     session = _session(settings, target, identity)
     lock: Lock
@@ -280,6 +281,21 @@ def _recorder(
         environ=hook_environ,
         secrets=hidden,
         session=session,
+        checks=_start_checks(settings),
+    )
+
+
+def _start_checks(settings: Settings) -> StartChecks | None:
+    """--tz, --requires, --warn-after auto: what the history's start message also asks."""
+    if settings.tz is None and not settings.requires and settings.warn_after != "auto":
+        return None
+    from jobrun.run import recorder
+
+    return recorder.StartChecks(
+        tz=settings.tz,
+        requires=settings.requires,
+        requires_within=settings.requires_within,
+        durations=settings.warn_after == "auto",
     )
 
 

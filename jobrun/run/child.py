@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jobrun.exitcodes import Exit, LockLost, from_wait_status
 from jobrun.keys import describe
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity
     from jobrun.run.job import Job
     from jobrun.run.listeners import Listeners
+    from jobrun.run.slow import Bound
     from jobrun.run.watchdog import Watchdog
 
 
@@ -69,6 +70,8 @@ class ChildRun:
     identity: Identity
     environ: Mapping[str, str]
     log: FilteringBoundLogger
+    #: --warn-after: the bound past which the run is slow (None: never).
+    warn: Bound | None = None
 
     def run(
         self,
@@ -112,6 +115,7 @@ class ChildRun:
                 watchdog=watchdog,
                 terminate_on_lock_lost=job.on_lock_lost == "terminate",
                 log=log,
+                **self._slow_watch(listeners),
             )
             listeners.exited()  # the group is gone: its pipes can be drained
             outcome, status = _outcome(ending)
@@ -130,6 +134,19 @@ class ChildRun:
             listeners.exited()
             raise
         return status
+
+    def _slow_watch(self, listeners: Listeners) -> dict[str, Any]:
+        """--warn-after: the supervisor's bound and what it does past it (one warning)."""
+        warn = self.warn
+        if warn is None:
+            return {}
+
+        def slow(elapsed: float) -> None:
+            fields = warn.fields(elapsed)
+            self.log.warning("slow_run", **fields, note="the child goes on")
+            listeners.slow(fields)
+
+        return {"warn_after": warn.seconds, "on_slow": slow}
 
     def _not_started(self, listeners: Listeners, reason: str) -> int:
         """The lock is gone before the child could start: it never does."""

@@ -26,3 +26,5 @@ class Job:
     once_per: float | None
     #: jobrun's secret-bearing variables the child (and the hook) may have (``--pass-env``).
     pass_env: tuple[str, ...]
+    #: --warn-after: seconds, "auto", or None.
+    warn_after: float | str | None = None

@@ -44,6 +44,9 @@ class Listener:
     def exited(self) -> None:
         """The child's process group is gone (or abandoned after a bug in jobrun)."""
 
+    def slow(self, fields: Mapping[str, Any]) -> None:
+        """--warn-after: the child runs past its bound (said once; never blocks)."""
+
     def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
         """The child is done; the lock is still held."""
 
@@ -85,6 +88,18 @@ class Recorder(Protocol):
         """The command could not be started."""
         ...
 
+    def unmet(self) -> dict[str, object] | None:
+        """--requires: the first required key not met, as the skip's fields (None: met)."""
+        ...
+
+    def recent_durations(self) -> tuple[int, float | None] | None:
+        """--warn-after auto: (recent successes with a duration, their p95); None: unknown."""
+        ...
+
+    def slow(self, fields: dict[str, object]) -> None:
+        """--warn-after: the run is slow (the hook, on a thread; the end row says so)."""
+        ...
+
     def flush(self) -> None:
         """Run what was deferred (alert hooks), after the lock is released."""
         ...
@@ -113,6 +128,10 @@ class HistoryListener(Listener):
     def started(self, child_pid: int) -> None:
         """The running row."""
         self._recorder.started(child_pid)
+
+    def slow(self, fields: Mapping[str, Any]) -> None:
+        """The hook now (on its thread); the end row will say the run was slow."""
+        self._recorder.slow(dict(fields))
 
     def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
         """The end row; the alert hook waits for the release."""
@@ -169,6 +188,11 @@ class Listeners(Listener):
         """Tell each."""
         for each in self._listeners:
             each.exited()
+
+    def slow(self, fields: Mapping[str, Any]) -> None:
+        """Tell each."""
+        for each in self._listeners:
+            each.slow(fields)
 
     def finished(self, outcome: str, exit_code: int, signal: str | None, duration: float) -> None:
         """Tell each."""

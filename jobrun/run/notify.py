@@ -7,6 +7,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Callable, Mapping
 
     from structlog.typing import FilteringBoundLogger
@@ -14,6 +15,10 @@ if TYPE_CHECKING:
     from jobrun.history.config import HistoryConfig
     from jobrun.locks import Identity
     from jobrun.run.tail import Capture
+
+
+#: Alerts said at warning level (the others are errors).
+WARNINGS = frozenset({"recovered", "slow_run"})
 
 
 @dataclass
@@ -34,6 +39,7 @@ class Notifier:
     output: Capture | None = None
     _started: float = field(default_factory=time.time, init=False)
     _pending: list[dict[str, object]] = field(default_factory=list, init=False)
+    _background: list[threading.Thread] = field(default_factory=list, init=False)
 
     def metrics(
         self,
@@ -61,13 +67,25 @@ class Notifier:
         )
         metrics.write(self.config.metrics_file, sample, self.log)
 
-    def alert(self, name: str, fields: dict[str, object], *, defer: bool = False) -> None:
-        """Log a streak at error level (``recovered``: warning) and hand it to the hook.
+    def alert(
+        self,
+        name: str,
+        fields: dict[str, object],
+        *,
+        defer: bool = False,
+        background: bool = False,
+        logged: bool = False,
+    ) -> None:
+        """Log a streak at error level (``recovered``, ``slow_run``: warning), hand it to the hook.
 
-        ``defer`` keeps the hook (it may take up to ``alert_timeout``) for ``flush``.
+        ``defer`` keeps the hook (it may take up to ``alert_timeout``) for ``flush``;
+        ``background`` runs it now on a thread of its own (``slow_run``: while the child
+        runs, the supervisor never waits for it), which ``flush`` waits for. ``logged``:
+        the line was said already (the hook only).
         """
-        emit = self.log.warning if name == "recovered" else self.log.error
-        emit(name, **fields)
+        if not logged:
+            emit = self.log.warning if name in WARNINGS else self.log.error
+            emit(name, **fields)
         if not self.config.on_alert:
             return
         event: dict[str, object] = {
@@ -80,17 +98,25 @@ class Notifier:
             "mode": self.mode,
             **fields,
         }
-        if self.output is not None and self.output.used:
+        if self.output is not None and self.output.used and not background:
             from jobrun.run import tail  # noqa: PLC0415 - only runs that keep output
 
             event.update(tail.fields(self.output, limit=tail.ALERT_LIMIT))
         if defer:
             self._pending.append(event)
+        elif background:
+            from jobrun import threads  # noqa: PLC0415 - only a slow run's hook
+
+            hook = threads.start(self._run_hook, event, name="jobrun-hook")
+            self._background.append(hook)
         else:
             self._run_hook(event)
 
     def flush(self) -> None:
-        """Run the hooks that ``alert(defer=True)`` kept back."""
+        """Run the hooks that ``alert(defer=True)`` kept back (after one still running)."""
+        running, self._background = self._background, []
+        for thread in running:
+            thread.join()  # bounded: the hook is killed at alert_timeout
         pending, self._pending = self._pending, []
         for event in pending:
             self._run_hook(event)
@@ -150,5 +176,20 @@ class NoHistory:
         if self.notifier is not None:
             self.notifier.metrics("exec_failed", exit_code, 0.0)
 
+    def unmet(self) -> dict[str, object] | None:
+        """--requires needs the history (refused with --no-history)."""
+        return None
+
+    def recent_durations(self) -> tuple[int, float | None] | None:
+        """--warn-after auto needs the history (refused with --no-history)."""
+        return None
+
+    def slow(self, fields: dict[str, object]) -> None:
+        """--warn-after: the hook (on a thread; the line was said already)."""
+        if self.notifier is not None:
+            self.notifier.alert("slow_run", fields, background=True, logged=True)
+
     def flush(self) -> None:
-        """Nothing is ever deferred."""
+        """The hook of a slow run, if one is still running."""
+        if self.notifier is not None:
+            self.notifier.flush()

@@ -212,6 +212,11 @@ class Pinger:
         described = " ".join(f"{name}={value}" for name, value in details.items())
         self._skip_body = f"skipped ({reason}) {described}".strip().encode()
 
+    def slow(self, fields: Mapping[str, object]) -> None:
+        """--warn-after: ``URL/log`` now (in the background), saying the run is slow."""
+        described = " ".join(f"{name}={value}" for name, value in fields.items())
+        self._enqueue("log", f"slow_run {described}".encode())
+
     def finish(self, status: int, stdout: bytes = b"", stderr: bytes = b"") -> None:
         """The run is over: ``URL/<status>`` (or ``URL/log`` after a skip); wait for it."""
         if self._skip_body is not None:
@@ -329,6 +334,10 @@ class PingListener(Listener):
         """The start ping (in the background: the child never waits for it)."""
         del child_pid
         self._pinger.start()
+
+    def slow(self, fields: Mapping[str, object]) -> None:
+        """--warn-after: a ``/log`` ping saying the run is slow (in the background)."""
+        self._pinger.slow(fields)
 
     def exited(self) -> None:
         """Before the run's ``finished`` line: the start ping's fate, if already known."""

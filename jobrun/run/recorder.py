@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from psycopg.types.json import Jsonb
 
@@ -18,7 +19,6 @@ from jobrun.run.notify import Notifier
 if TYPE_CHECKING:
     import datetime as dt
     from collections.abc import Mapping
-    from typing import Any
 
     from structlog.typing import FilteringBoundLogger
 
@@ -53,8 +53,15 @@ class Recorder:
         environ: Mapping[str, str] | None = None,
         secrets: tuple[str, ...] = (),
         session: ServerSession | None = None,
+        checks: StartChecks | None = None,
     ) -> None:
         label = describe(keys)
+        #: --tz, --requires, --warn-after auto: what the start message also asks.
+        self._checks = checks if checks is not None else StartChecks()
+        self._unmet: dict[str, object] | None = None
+        self._durations: tuple[int, float | None] | None = None
+        #: --warn-after: the bound the run went past (the end row says so).
+        self._slow_after: float | None = None
         self._config = config
         self._log = log
         self._calls = Calls(
@@ -112,6 +119,8 @@ class Recorder:
         window already had its run is then unknown, and the promise is to fail closed.
         """
         # The pause and the expectation ride in the same message: no extra round trip.
+        # So do --requires and --warn-after auto (only with their options: checks).
+        checks = self._checks.statements()
         result = self._calls.run(
             "checking earlier runs",
             (
@@ -121,8 +130,9 @@ class Recorder:
                 sql.RUNS_ACQUIRED,
                 sql.RUNS_SKIPS_RECOVERED,
                 sql.EXPECTATION,
+                *checks,
             ),
-            {**self._row, "window": once_per},
+            {**self._row, "window": once_per, **self._checks.params()},
             without_control=(
                 sql.RUNS_ABANDON,
                 sql.RUNS_ALREADY_RAN,
@@ -130,6 +140,7 @@ class Recorder:
                 sql.RUNS_ACQUIRED_UNPAUSED,
                 sql.RUNS_SKIPS_RECOVERED,
                 sql.NO_ROWS,
+                *checks,
             ),
         )
         if result is None:
@@ -139,8 +150,15 @@ class Recorder:
                     "this window already had its run is unknown",
                     reason="history_unavailable",
                 )
+            if self._checks.requires:
+                raise LockStoreUnavailable(
+                    "--requires: the run history cannot be read, so whether the required "
+                    "keys succeeded is unknown",
+                    reason="history_unavailable",
+                )
             return None
-        abandoned, earlier, paused, ours, recovered, _ = result
+        abandoned, earlier, paused, ours, recovered, _ = result[:6]
+        self._read_checks(result[6:])
         self._pause = pause_fields(paused[0]) if paused else None
         for run in abandoned:
             self._log.warning(
@@ -171,6 +189,53 @@ class Recorder:
             "outcome": found["outcome"],
             "window_start": iso(found["window_start"]),
         }
+
+    def _read_checks(self, found: list[list[dict[str, Any]]]) -> None:
+        """What the start message's --requires and --warn-after auto statements found."""
+        at = 0
+        if self._checks.requires:
+            self._unmet = self._requirement(found[at])
+            at += 1
+        if self._checks.durations:
+            row = found[at][0] if found[at] else {}
+            self._durations = (int(row.get("runs") or 0), row.get("p95"))
+
+    def _requirement(self, rows: list[dict[str, Any]]) -> dict[str, object] | None:
+        """The first required key that is not met, as a skip's fields (None: all are met).
+
+        Raises LockStoreUnavailable (``not_granted``, fails closed) for a required key this
+        role may not read: row-level security would show it as one that never ran.
+        """
+        from jobrun.run import requires  # noqa: PLC0415 - only with --requires
+
+        if requires.may_hide(rows):
+            unreadable = self._calls.run(
+                "checking the required keys' grants",
+                (sql.RUNS_REQUIRES_UNREADABLE,),
+                self._checks.params(),
+            )
+            if unreadable is None:
+                raise LockStoreUnavailable(
+                    "--requires: whether this role may read the required keys cannot be told",
+                    reason="history_unavailable",
+                )
+            if unreadable[0]:
+                raise requires.not_readable([row["key"] for row in unreadable[0]])
+        return requires.unmet(rows, self._checks.requires_within)
+
+    def unmet(self) -> dict[str, object] | None:
+        """--requires: the first required key not met, as ``required_*`` fields (None: met)."""
+        return self._unmet
+
+    def recent_durations(self) -> tuple[int, float | None] | None:
+        """--warn-after auto: (successes with a duration among the last 30, their p95)."""
+        return self._durations
+
+    def slow(self, fields: dict[str, object]) -> None:
+        """--warn-after: the run is past its bound: the hook now, the end row later."""
+        bound = fields.get("bound")
+        self._slow_after = float(bound) if isinstance(bound, (int, float)) else None
+        self.notifier.alert("slow_run", fields, background=True, logged=True)
 
     def use_lock_ids(self, lock_ids: list[int]) -> None:
         """Record the run under these lock ids (``--slots``: the slot taken)."""
@@ -203,6 +268,10 @@ class Recorder:
             "deadlocks_at_start": self._deadlocks_at_start,
         }
         statements = [sql.RUNS_FINISH, sql.RUNS_PRUNE]
+        if self._slow_after is not None:
+            # --warn-after: the bound the run went past, in the same message.
+            statements.append(sql.RUNS_MARK_SLOW)
+            params["slow_after"] = self._slow_after
         kept = self.notifier.output
         if kept is not None and kept.used and exit_code != 0:
             # --keep-output: a failed run's tails ride in the end row's message.
@@ -214,6 +283,8 @@ class Recorder:
             statements,
             params,
             last=True,
+            # Without the extras (tails, slow_after) when the server refuses them: a role
+            # that may not add their columns to an older table keeps its end row.
             otherwise=statements[:2] if len(statements) > 2 else None,  # noqa: PLR2004
             retry=True,
         )
@@ -336,6 +407,34 @@ class Recorder:
             sessions=self._calls.sessions,
             failures=self._calls.failures,
         )
+
+
+@dataclass(frozen=True)
+class StartChecks:
+    """What the history's start message also asks: --tz, --requires, --warn-after auto."""
+
+    #: --tz: the zone of --once-per's day windows (None: UTC).
+    tz: str | None = None
+    #: --requires: key labels whose last finished run must be a recent success.
+    requires: tuple[str, ...] = ()
+    requires_within: float = 86400.0
+    #: --warn-after auto: the key's recent successful durations.
+    durations: bool = False
+
+    def statements(self) -> tuple[str, ...]:
+        """The start message's extra statements, in the order their results are read."""
+        return (
+            *((sql.RUNS_REQUIREMENTS,) if self.requires else ()),
+            *((sql.RUNS_RECENT_DURATIONS,) if self.durations else ()),
+        )
+
+    def params(self) -> dict[str, object]:
+        """Their parameters (``tz`` always: the --once-per window statement names it)."""
+        return {
+            "tz": self.tz,
+            "requires": list(self.requires),
+            "requires_within": self.requires_within,
+        }
 
 
 def _json_dumps(value: object) -> str:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from jobrun.locks import Identity, Lock, Taken
     from jobrun.run.job import Job
     from jobrun.run.listeners import Listener, Recorder
+    from jobrun.run.slow import Bound
     from jobrun.run.waiting import WaitReporter
 
 
@@ -106,7 +107,8 @@ class _GuardedRun:
             if not unguarded:
                 return exc.exit_code
             with supervise.signals_held() as child_mask:
-                self.status = self._child().run(child_mask, None, self.listeners.unguarded())
+                child = self._child(warn=self._warn_bound())
+                self.status = child.run(child_mask, None, self.listeners.unguarded())
             return self.status
         if isinstance(got, Holder):  # held by someone else: skip
             try:
@@ -163,7 +165,8 @@ class _GuardedRun:
             # Lease mode: the attempt's connection carried the history's start (and a skip
             # row): nothing is held while the child runs.
             self.session.rest()
-            return self._child().run(child_mask, watchdog, self.listeners, slot=taken.slot)
+            child = self._child(warn=self._warn_bound())
+            return child.run(child_mask, watchdog, self.listeners, slot=taken.slot)
         finally:
             watchdog.stop()
 
@@ -173,7 +176,8 @@ class _GuardedRun:
         try:
             earlier = self.history.acquired(job.once_per)
         except LockStoreUnavailable as exc:  # --once-per cannot be checked
-            anyway = job.on_db_error == "run"
+            # Not for a required key this role may not read (not_granted): that is no outage.
+            anyway = job.on_db_error == "run" and not exc.fails_closed
             self._unavailable(
                 exc, ends_run=not anyway, running_unguarded=False, running_unchecked=anyway
             )
@@ -185,7 +189,18 @@ class _GuardedRun:
             return self._skip("paused", pause)  # not a streak: the operator asked for it
         if earlier is not None:
             return self._skip("already_ran", {f"previous_{k}": v for k, v in earlier.items()})
+        unmet = self.history.unmet()  # --requires, decided on the history's start message
+        if unmet is not None:
+            return self._skip("requirement", unmet)
         return None
+
+    def _warn_bound(self) -> Bound | None:
+        """--warn-after: the run's bound (auto: from what the history's start message read)."""
+        if self.job.warn_after is None:
+            return None
+        from jobrun.run import slow  # noqa: PLC0415 - only with --warn-after
+
+        return slow.bound(self.job.warn_after, self.history.recent_durations(), self.log)
 
     def _skip(self, reason: str, fields: Mapping[str, Any]) -> int:
         """The one way a run skips: say why, tell the listeners, return the skip status."""
@@ -193,9 +208,9 @@ class _GuardedRun:
         self.listeners.skipped(reason, fields, self.job.skip_exit_code)
         return self.job.skip_exit_code
 
-    def _child(self) -> ChildRun:
+    def _child(self, warn: Bound | None = None) -> ChildRun:
         """Start -> supervise -> finish: the child's part (``jobrun.run.child``)."""
-        return ChildRun(self.job, self.session, self.identity, self.environ, self.log)
+        return ChildRun(self.job, self.session, self.identity, self.environ, self.log, warn)
 
     def _unavailable(self, exc: LockStoreUnavailable, *, ends_run: bool, **fields: bool) -> None:
         """The lock store failed us; ``ends_run``: this is the run's last line (its status)."""

@@ -12,7 +12,7 @@ from jobrun.exitcodes import Exit, UsageError
 from jobrun.flags import Duration, Option
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from jobrun import keys
 
@@ -182,6 +182,36 @@ class Settings:
         metavar="N",
         help="At most N runs of the key at once (the child gets JOBRUN_SLOT, 0-based).",
     )
+    # --warn-after, --tz, --requires, --requires-within (docs/history.md): watching a run.
+    #: Seconds, "auto" (from the key's recorded successes), or None (never).
+    warn_after: float | str | None = option(
+        "--warn-after",
+        flags.WarnAfter(minimum="1s", why="a run is slow past it"),
+        metavar="DURATION|auto",
+        help="One slow_run warning (log, --on-alert, --ping /log) when the child runs past "
+        "this, e.g. 30m; auto: 1.5 x the p95 of the key's last 30 successes. Never stops it.",
+    )
+    #: None: UTC (as before --tz existed).
+    tz: str | None = declared(
+        flags.tz.but(
+            help="IANA time zone of --once-per's day windows (1d: local midnight to local "
+            "midnight, 23 or 25 hours across DST); default UTC."
+        )
+    )
+    requires: tuple[str, ...] = option(
+        "--requires",
+        flags.Lines(),
+        multiple=True,
+        metavar="KEY",
+        help="Run only if KEY's last finished run succeeded within --requires-within and "
+        "none of it runs now; else skip (reason requirement). Repeatable.",
+    )
+    requires_within: float = option(
+        "--requires-within",
+        Duration(minimum="1s", why="it is how recent a required key's success must be"),
+        default="1d",
+        help="How recent a --requires key's success must be.",
+    )
     ping: str | None = option(
         "--ping",
         secret=True,
@@ -280,6 +310,7 @@ class Settings:
                 "heartbeat": heartbeat,
                 "min_hold": given["min_hold"] or None,
                 "expect_grace": None if every is None else every / 10 if grace is None else grace,
+                "requires": _required(given["requires"]),
             },
             run_keys=run_keys,
             dsn_on_command_line=dsn_on_command_line,
@@ -296,6 +327,7 @@ def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
         raise UsageError("--expect-every is kept in the run history: drop --no-history")
     if given["slots"] > 1 and (len(run_keys) != 1 or run_keys[0].name is None):
         raise UsageError("--slots takes one key name (--key NAME)")
+    _check_watching(given)
     if given["expect_grace"] is not None and given["expect_every"] is None:
         raise UsageError("--expect-grace goes with --expect-every")
     if given["fence"] and given["on_db_error"] == "run":
@@ -308,6 +340,35 @@ def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
             "--keep-output keeps the tails in the run history and sends them with --ping: "
             "drop --no-history or add --ping"
         )
+
+
+def _check_watching(given: Mapping[str, Any]) -> None:
+    """--warn-after auto and --requires read the run history; --requires names keys."""
+    no_history = given["no_history"]
+    if given["warn_after"] == "auto" and no_history:
+        raise UsageError(
+            "--warn-after auto derives its bound from the run history: drop --no-history "
+            "or give a duration"
+        )
+    if given["requires"] and no_history:
+        raise UsageError("--requires reads the run history: drop --no-history")
+
+
+def _required(labels: tuple[str, ...]) -> tuple[str, ...]:
+    """--requires' key labels as the history records them (``b,a`` is the run ``a,b``)."""
+    if not labels:
+        return labels
+    from jobrun import keys  # noqa: PLC0415 - only with --requires
+
+    return tuple(_normalized(keys.normalized_label, label) for label in labels)
+
+
+def _normalized(normalize: Callable[[str], str], label: str) -> str:
+    """One --requires label normalized; a bad one is a usage error that names it."""
+    try:
+        return normalize(label)
+    except UsageError as exc:
+        raise UsageError(f"--requires {label!r}: {exc}") from None
 
 
 def _keeps_output(keep_output: str | None) -> bool:

@@ -206,8 +206,14 @@ def supervise(
     watchdog: Watchdog | None,
     terminate_on_lock_lost: bool,
     log: FilteringBoundLogger,
+    warn_after: float | None = None,
+    on_slow: Callable[[float], None] | None = None,
 ) -> Ending:
-    """Wait for the child, forwarding signals; stop it on timeout or lost lock; reap its group."""
+    """Wait for the child, forwarding signals; stop it on timeout or lost lock; reap its group.
+
+    ``warn_after`` (--warn-after): once the child has run this long, ``on_slow(elapsed)``
+    is called once, from this loop (it must not block); the child runs on.
+    """
     supervision = _Supervision(
         _Group(child.pid),
         timeout=timeout,
@@ -216,6 +222,9 @@ def supervise(
         terminate_on_lock_lost=terminate_on_lock_lost,
         log=log,
     )
+    if warn_after is not None and on_slow is not None:
+        supervision.warn_at = supervision.started + warn_after
+        supervision.on_slow = on_slow
     while child.poll() is None:
         supervision.step()
         # What the job daemonized and has exited since: no zombies pile up in a long run.
@@ -259,6 +268,9 @@ class _Supervision:
         self.log = log
         self.stopped_for: str | None = None
         self.lost_reason: str | None = None
+        #: --warn-after: when the child is slow, and whom to tell (once).
+        self.warn_at = math.inf
+        self.on_slow: Callable[[float], None] | None = None
 
     def step(self) -> None:
         """Act on whatever deadline has passed, then sleep until the next one or a signal."""
@@ -268,6 +280,10 @@ class _Supervision:
             self._begin_stop("timed_out")
         if self.stopped_for is None:
             self._check_lock(now)
+        if self.stopped_for is None and now >= self.warn_at:
+            self.warn_at = math.inf  # once
+            if self.on_slow is not None:
+                self.on_slow(now - self.started)
         if now >= self.kill_at:
             self.log.warning("child_killed", signal="SIGKILL", after=self.kill_after)
             self.group.send(signal.SIGKILL)
@@ -275,6 +291,7 @@ class _Supervision:
         deadlines = [self.kill_at]
         if self.stopped_for is None:
             deadlines.append(self.timeout_at)
+            deadlines.append(self.warn_at)
             if self.watchdog is not None:
                 deadlines.append(self.watchdog.stop_at)
         _wait_and_forward(min(min(deadlines) - now, _IDLE_WAIT), self.group, self.log)
@@ -346,20 +363,43 @@ def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) 
         group.send(info.si_signo)
 
 
+#: Processes that one of jobrun's own threads started and reaps itself (a slow run's
+#: ``--on-alert`` hook, while the child runs): the orphan reaper leaves them to it, or the
+#: thread would find its process gone and take any exit status for 0. A pid is added under
+#: the lock together with its fork (``spawning``), so the reaper never sees it unknown.
+_SPARED: set[int] = set()
+_SPARING = threading.Lock()
+
+
+@contextlib.contextmanager
+def spawning() -> Iterator[Callable[[int], None]]:
+    """Hold the reaper off while a thread starts a process; yield how to spare its pid."""
+    with _SPARING:
+        yield _SPARED.add
+
+
+def reaped_by_owner(pid: int) -> None:
+    """The pid's owner has reaped it: the reaper may take that pid again."""
+    with _SPARING:
+        _SPARED.discard(pid)
+
+
 def _reap_orphans(keep: int | None = None) -> None:
     """Collect exited descendants that were re-parented to us (we are their subreaper).
 
-    ``keep`` is left for its owner to reap: the child itself, whose status Popen must see.
+    ``keep`` is left for its owner to reap: the child itself, whose status Popen must see;
+    so are the processes jobrun's threads started (``spawning``).
     """
     while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # no children at all
-            return
-        if info is None or info.si_pid == keep:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(info.si_pid, 0)
+        with _SPARING:
+            try:
+                info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # no children at all
+                return
+            if info is None or info.si_pid == keep or info.si_pid in _SPARED:
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(info.si_pid, 0)
 
 
 def _clear_group(

@@ -60,7 +60,7 @@ from jobrun.sql.drill import (
     DRILL_STEAL_LEASE,
     DRILL_TERMINATE_HOLDER,
 )
-from jobrun.sql.history import (
+from jobrun.sql.history import (  # --warn-after, --requires, --tz
     FENCE_NEXT,
     FENCE_SCHEMA,
     NO_ROWS,
@@ -69,9 +69,13 @@ from jobrun.sql.history import (
     RUNS_ACQUIRED_UNPAUSED,
     RUNS_ALREADY_RAN,
     RUNS_FINISH,
+    RUNS_MARK_SLOW,
     RUNS_OF_KEY,
     RUNS_OVERLAPPING,
     RUNS_PRUNE,
+    RUNS_RECENT_DURATIONS,
+    RUNS_REQUIREMENTS,
+    RUNS_REQUIRES_UNREADABLE,
     RUNS_SCHEMA,
     RUNS_SCHEMA_LOCK,
     RUNS_SKIP,
@@ -82,6 +86,7 @@ from jobrun.sql.history import (
     RUNS_TAIL_COLUMNS,
     RUNS_TAIL_NONE,
     RUNS_TIMEOUTS,
+    WINDOW_START_AT,
 )
 from jobrun.sql.lease import (
     LEASE_ACQUIRE,
@@ -196,9 +201,13 @@ __all__ = [
     "RUNS_ACQUIRED_UNPAUSED",
     "RUNS_ALREADY_RAN",
     "RUNS_FINISH",
+    "RUNS_MARK_SLOW",
     "RUNS_OF_KEY",
     "RUNS_OVERLAPPING",
     "RUNS_PRUNE",
+    "RUNS_RECENT_DURATIONS",
+    "RUNS_REQUIREMENTS",
+    "RUNS_REQUIRES_UNREADABLE",
     "RUNS_SCHEMA",
     "RUNS_SCHEMA_LOCK",
     "RUNS_SKIP",
@@ -242,4 +251,5 @@ __all__ = [
     "STOP_TERMINATE",
     "TRY_LOCK",
     "UNLOCK",
+    "WINDOW_START_AT",
 ]

@@ -333,7 +333,8 @@ CREATE TABLE IF NOT EXISTS jobrun.runs (
 ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
                         ADD COLUMN IF NOT EXISTS deadlocks bigint,
                         ADD COLUMN IF NOT EXISTS stdout_tail bytea,
-                        ADD COLUMN IF NOT EXISTS stderr_tail bytea;
+                        ADD COLUMN IF NOT EXISTS stderr_tail bytea,
+                        ADD COLUMN IF NOT EXISTS slow_after double precision;
 CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
 CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
     WHERE outcome = 'running'
@@ -373,10 +374,26 @@ RETURNING run_id, key, host, pid, started_at
 #: runs_key_ran: the newest such run, one index entry); without --once-per (window NULL)
 #: the statement is a constant false and reads nothing (as a NOT EXISTS in RUNS_ACQUIRED,
 #: a join on a NULL start made the planner scan every row of the table).
-_EARLIER = """
+#: --tz (``tz``, an IANA name, NULL: UTC): a window of whole days (1d, 2d, 7d) starts at a
+#: local midnight of the zone (so a day is 23 or 25 hours long across a DST change), N-day
+#: windows counted in local days from 1970-01-01; any other window (1h, 30m, 36h) is as
+#: without --tz: fixed-length, aligned to the Unix epoch. ``{now}``: the instant asked about.
+_WINDOW_START = """
+CASE WHEN %(tz)s::text IS NOT NULL AND %(window)s::float8 >= 86400
+          AND pg_catalog.mod(%(window)s::numeric, 86400) = 0
+     THEN pg_catalog.timezone(%(tz)s::text, (DATE '1970-01-01' + (pg_catalog.floor(
+              (pg_catalog.timezone(%(tz)s::text, {now})::date - DATE '1970-01-01')::float8
+              / (%(window)s::float8 / 86400)) * (%(window)s::float8 / 86400))::int4)::timestamp)
+     ELSE pg_catalog.to_timestamp(pg_catalog.floor(
+              pg_catalog.date_part('epoch', {now}) / %(window)s::float8) * %(window)s::float8)
+END"""
+#: The start of the --once-per window ``%(at)s`` (timestamptz) falls in: the rule above, for
+#: tests and for anyone checking a window by hand.
+WINDOW_START_AT = "SELECT " + _WINDOW_START.format(now="%(at)s::timestamptz") + " AS start"
+
+_EARLIER = f"""
 SELECT r.run_id, r.host, r.pid, r.started_at, r.outcome, w.start AS window_start
-FROM (SELECT to_timestamp(floor(extract(epoch FROM clock_timestamp())::float8
-                                / %(window)s::float8) * %(window)s::float8) AS start) AS w
+FROM (SELECT {_WINDOW_START.format(now="pg_catalog.clock_timestamp()")} AS start) AS w
 CROSS JOIN LATERAL (
     SELECT run_id, host, pid, started_at, outcome FROM jobrun.runs
     WHERE key = %(key)s AND run_id <> %(run_id)s AND outcome IN ('running', 'succeeded')
@@ -649,4 +666,79 @@ FROM jobrun.runs WHERE run_id = %(run_id)s
 RUNS_TAIL_NONE = """
 SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
 FROM jobrun.runs WHERE run_id = %(run_id)s
+"""
+
+
+# --warn-after and --requires (watching a run): statements that ride on the history's
+# messages a run sends anyway (its start, its end); none is sent without its option.
+
+#: ``--warn-after auto``: how many of the key's last 30 successes have a duration, and their
+#: 95th percentile (runs_key_ran: the newest successes, 30 index entries at most). In the
+#: history's start message, so the bound costs no round trip of its own.
+RUNS_RECENT_DURATIONS = """
+SELECT pg_catalog.count(d.duration) AS runs,
+       pg_catalog.percentile_cont(0.95::float8) WITHIN GROUP (ORDER BY d.duration) AS p95
+FROM (SELECT r.duration FROM jobrun.runs AS r
+      WHERE r.key = %(key)s AND r.outcome = 'succeeded' AND r.duration IS NOT NULL
+      ORDER BY r.started_at DESC
+      LIMIT 30) AS d
+"""
+
+#: ``--warn-after``: the run went past this bound (seconds); NULL: it did not (or none was
+#: set). In the end row's message (no round trip of its own), only for a slow run.
+RUNS_MARK_SLOW = """
+UPDATE jobrun.runs SET slow_after = %(slow_after)s WHERE run_id = %(run_id)s
+"""
+
+#: ``--requires``: for each required key label (in the order given), its last finished run
+#: (outcome, when; runs_key_finished), whether that was a success within
+#: ``requires_within`` seconds, and a run of it in progress (a ``running`` row; a session
+#: mode one only while its advisory lock is held, so a run that died is not "running").
+#: ``guarded``: row-level security hides keys from this role (``jobrun init``): a key that
+#: shows no row may then be one it cannot read (RUNS_REQUIRES_UNREADABLE says). Sent in the
+#: history's start message, after the lock is taken: the decision and the run agree.
+RUNS_REQUIREMENTS = """
+SELECT q.key, l.outcome, l.finished_at,
+       coalesce(l.outcome = 'succeeded'
+                AND l.finished_at >= pg_catalog.clock_timestamp()
+                                     - pg_catalog.make_interval(secs => %(requires_within)s),
+                false) AS fresh,
+       g.run_id AS running_run_id, g.host AS running_host, g.pid AS running_pid,
+       g.started_at AS running_since,
+       (SELECT c.relrowsecurity AND NOT pg_catalog.pg_has_role(c.relowner, 'MEMBER')
+               AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles AS o
+                               WHERE o.rolname = current_user
+                                 AND (o.rolsuper OR o.rolbypassrls))
+        FROM pg_catalog.pg_class AS c
+        WHERE c.oid = 'jobrun.runs'::pg_catalog.regclass) AS guarded
+FROM pg_catalog.unnest(%(requires)s::text[]) WITH ORDINALITY AS q (key, n)
+LEFT JOIN LATERAL (
+    SELECT r.outcome, r.finished_at FROM jobrun.runs AS r
+    WHERE r.key = q.key AND r.outcome NOT IN ('running', 'skipped')
+    ORDER BY r.finished_at DESC NULLS LAST
+    LIMIT 1
+) AS l ON true
+LEFT JOIN LATERAL (
+    SELECT r.run_id, r.host, r.pid, r.started_at FROM jobrun.runs AS r
+    WHERE r.key = q.key AND r.outcome = 'running' AND r.run_id <> %(run_id)s
+      AND (r.mode <> 'session' OR EXISTS (
+          SELECT 1 FROM pg_catalog.pg_locks AS k
+          WHERE k.locktype = 'advisory' AND k.granted AND k.objsubid = 1
+            AND k.database = (SELECT d.oid FROM pg_catalog.pg_database AS d
+                              WHERE d.datname = pg_catalog.current_database())
+            AND ((k.classid::int8 << 32) | k.objid::int8) = ANY (r.lock_ids)))
+    ORDER BY r.started_at DESC
+    LIMIT 1
+) AS g ON true
+ORDER BY q.n
+"""
+
+#: ``--requires`` under row-level security, asked only when a required key showed no row:
+#: the required labels this role may not read (``jobrun grant``), refused rather than taken
+#: for keys that never ran. (Only sent where RUNS_REQUIREMENTS said ``guarded``: the
+#: function exists wherever ``jobrun init`` turned row-level security on.)
+RUNS_REQUIRES_UNREADABLE = """
+SELECT q.key FROM pg_catalog.unnest(%(requires)s::text[]) WITH ORDINALITY AS q (key, n)
+WHERE NOT jobrun.allowed_for(current_user, q.key, 'read')
+ORDER BY q.n
 """

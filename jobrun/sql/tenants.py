@@ -18,7 +18,7 @@ GUARDED_TABLES = ("runs", "leases", "stop_requests", "pauses", "expectations")
 READER_RUN_COLUMNS = (
     "run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at, "
     "outcome, reason, exit_code, signal, duration, streak, streak_since, holder_ref, holder, "
-    "alerted_at, deadlocks"
+    "alerted_at, deadlocks, slow_after"
 )
 
 #: Who may do what: one row per (role, kind, pattern). Written only by the owner (no

@@ -124,6 +124,7 @@ def _history(conn: Connection, key: keys.Key, mode: str) -> Finding:
         "pid": os.getpid(),
         "program": PROBE,
         "window": None,
+        "tz": None,
         "pause_keys": [key.label],
     }
     steps = [

@@ -13,7 +13,7 @@ from jobrun.ops.status.collect import (
     abandoned_lines,
     collect,
 )
-from jobrun.ops.status.render import history_table, overlap_table, status_table
+from jobrun.ops.status.render import history_table, overlap_table, shown_in, status_table
 from jobrun.ops.status.runs import overlapping, runs_of
 
 if TYPE_CHECKING:
@@ -36,5 +36,6 @@ __all__ = [
     "overlap_table",
     "overlapping",
     "runs_of",
+    "shown_in",
     "status_table",
 ]

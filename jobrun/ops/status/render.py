@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime as dt
 from typing import TYPE_CHECKING, Any
 
@@ -9,7 +11,7 @@ from jobrun.durations import format_seconds
 from jobrun.escape import printable
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Iterable, Iterator, Mapping, Sequence
 
     from jobrun.locks import Holder
     from jobrun.ops.status.collect import KeyStatus
@@ -295,21 +297,50 @@ def _who(holder: Holder | None) -> str:
     return "?"
 
 
+#: ``--tz``: the zone the tables show times in (None: UTC, written ``Z``). Set around one
+#: command's rendering by ``shown_in``; ``--json`` keeps ISO 8601 times in UTC regardless.
+_ZONE: contextvars.ContextVar[dt.tzinfo | None] = contextvars.ContextVar("zone", default=None)
+
+
+@contextlib.contextmanager
+def shown_in(zone: str | None) -> Iterator[None]:
+    """Render the tables' times in the IANA ``zone`` (None: UTC), e.g. ``10:26 CET``."""
+    if zone is None:
+        yield
+        return
+    import zoneinfo  # noqa: PLC0415 - only with --tz
+
+    token = _ZONE.set(zoneinfo.ZoneInfo(zone))
+    try:
+        yield
+    finally:
+        _ZONE.reset(token)
+
+
 def _utc(stamp: str | None) -> dt.datetime | str:
-    """An ISO 8601 timestamp in UTC; ``-`` for none, the text itself if it is not one."""
+    """An ISO 8601 timestamp in UTC (or --tz's zone); ``-`` for none, the text if not one."""
     if not stamp:
         return "-"
     try:
         parsed = dt.datetime.fromisoformat(stamp)
     except ValueError:
         return stamp
-    return parsed.astimezone(dt.timezone.utc) if parsed.tzinfo is not None else parsed
+    if parsed.tzinfo is None:
+        return parsed
+    return parsed.astimezone(_ZONE.get() or dt.timezone.utc)
+
+
+def _suffix() -> str:
+    """``Z`` in UTC; `` %Z`` (CET, CEST, EST...) in a --tz zone."""
+    return "Z" if _ZONE.get() is None else " %Z"
 
 
 def _when(stamp: str | None) -> str:
-    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp."""
+    """``2026-11-29 10:26:20Z`` from an ISO 8601 timestamp (``... 11:26:20 CET`` with --tz)."""
     parsed = _utc(stamp)
-    return parsed if isinstance(parsed, str) else parsed.strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(parsed, str):
+        return parsed
+    return parsed.strftime("%Y-%m-%d %H:%M:%S" + _suffix())
 
 
 def _short_when(stamp: str | None, year: int) -> str:
@@ -317,7 +348,7 @@ def _short_when(stamp: str | None, year: int) -> str:
     parsed = _utc(stamp)
     if isinstance(parsed, str):
         return parsed
-    return parsed.strftime("%m-%d %H:%MZ" if parsed.year == year else "%Y-%m-%d")
+    return parsed.strftime("%m-%d %H:%M" + _suffix() if parsed.year == year else "%Y-%m-%d")
 
 
 def _duration(seconds: float | None) -> str:
