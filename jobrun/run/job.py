@@ -26,3 +26,13 @@ class Job:
     once_per: float | None
     #: jobrun's secret-bearing variables the child (and the hook) may have (``--pass-env``).
     pass_env: tuple[str, ...]
+    # --- --coalesce, --jitter, --retries (off by default) -----------------------------------
+    #: ``--coalesce``: when the key is held, wait as its one queued run.
+    coalesce: bool = False
+    #: ``--jitter``: longest delay before the first attempt (0: none); ``jitter_random``.
+    jitter: float = 0.0
+    jitter_random: bool = False
+    #: ``--retries``, ``--retry-delay``, ``--retry-on`` (empty: any non-zero exit).
+    retries: int = 0
+    retry_delay: float = 1.0
+    retry_on: tuple[int, ...] = ()

@@ -333,7 +333,11 @@ CREATE TABLE IF NOT EXISTS jobrun.runs (
 ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
                         ADD COLUMN IF NOT EXISTS deadlocks bigint,
                         ADD COLUMN IF NOT EXISTS stdout_tail bytea,
-                        ADD COLUMN IF NOT EXISTS stderr_tail bytea;
+                        ADD COLUMN IF NOT EXISTS stderr_tail bytea,
+                        ADD COLUMN IF NOT EXISTS queued_seconds double precision,
+                        ADD COLUMN IF NOT EXISTS jitter_seconds double precision,
+                        ADD COLUMN IF NOT EXISTS attempts integer,
+                        ADD COLUMN IF NOT EXISTS attempt_exit_codes integer[];
 CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
 CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
     WHERE outcome = 'running'
@@ -650,3 +654,25 @@ RUNS_TAIL_NONE = """
 SELECT run_id, key, host, outcome, exit_code, started_at, NULL::bytea, NULL::bytea
 FROM jobrun.runs WHERE run_id = %(run_id)s
 """
+
+
+# --- --coalesce, --jitter, --retries: the columns they add to a run's row ---------------------
+
+#: ``queued_seconds``: how long a ``--coalesce`` run waited as the key's queued run;
+#: ``jitter_seconds``: the ``--jitter`` delay slept before the lock was tried;
+#: ``attempts`` and ``attempt_exit_codes``: a ``--retries`` run's attempts, each one's exit
+#: status in order (the run's own ``exit_code`` is the last one's). NULL in a run that used
+#: none of these options: only such runs send RUNS_NOTE, in their end row's message.
+RUNS_NOTED_COLUMNS = ("queued_seconds", "jitter_seconds", "attempts", "attempt_exit_codes")
+
+
+def runs_note(columns: tuple[str, ...]) -> str:
+    """The UPDATE that writes ``columns`` (of RUNS_NOTED_COLUMNS) into the run's row.
+
+    Their values are bound as ``note_<column>``; a name not in RUNS_NOTED_COLUMNS is refused.
+    """
+    unknown = set(columns) - set(RUNS_NOTED_COLUMNS)
+    if unknown:
+        raise ValueError(f"not a noted column: {sorted(unknown)}")
+    sets = ", ".join(f"{column} = %(note_{column})s" for column in columns)
+    return f"UPDATE jobrun.runs SET {sets} WHERE run_id = %(run_id)s"
