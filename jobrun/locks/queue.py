@@ -96,6 +96,7 @@ class CoalesceLock:
         self._log = log
         self._lease = lease
         self._stop_keys = names((key,))
+        self._label = key.label
         self._queued = False
         self._stop_lookup = True
         #: Seconds the run waited as the queued one (None: it did not queue).
@@ -117,8 +118,10 @@ class CoalesceLock:
                 return QueueTaken(**vars(got))
             self._queued = True
             started = time.monotonic()
+            # The database's time now: stop requests from here on reach this run.
+            since, _ = self._look(None)
             self._log.info("queued", wait=wait or None, **got.fields())
-            got = self._wait(wait)
+            got = self._wait(wait, since)
             self.queued_seconds = round(time.monotonic() - started, 3)
             if isinstance(got, Taken):
                 self._log.info("dequeued", queued_seconds=self.queued_seconds)
@@ -127,16 +130,18 @@ class CoalesceLock:
             # Taken or not, the slot goes: the next arrival may queue behind us.
             self._leave_queue(keep_ending=isinstance(got, Taken))
 
-    def _wait(self, wait: float) -> Taken | Holder:
-        """Try the key every QUEUE_POLL until ``wait`` is out (0: for ever)."""
+    def _wait(self, wait: float, since: object) -> Taken | Holder:
+        """Try the key every QUEUE_POLL until ``wait`` is out (0: for ever).
+
+        ``since``: the database's time when the run queued (None: unknown).
+        """
         deadline = time.monotonic() + wait if wait > 0 else math.inf
-        since: object = None
         while True:
             remaining = deadline - time.monotonic()
             # Session mode blocks on the key for a poll; lease mode tries it once.
             got = self._main.acquire(0.0 if self._lease else max(0.0, min(QUEUE_POLL, remaining)))
-            if isinstance(got, Taken):
-                return got
+            # Looked for once more when the key is ours: the holder a stop ended hands the
+            # key over at once, maybe before this run's last look.
             since, request = self._look(since)
             if request is not None:
                 self._log.warning(
@@ -144,7 +149,12 @@ class CoalesceLock:
                     queued=True,
                     **{f"requested_by_{name}": value for name, value in request.items()},
                 )
+                if isinstance(got, Taken):
+                    self._main.release()
+                    return QueueStopped(key=self._label)
                 return QueueStopped(**vars(got))
+            if isinstance(got, Taken):
+                return got
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return got

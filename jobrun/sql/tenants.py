@@ -77,8 +77,9 @@ _CAT = "OPERATOR(pg_catalog.||)"
 #: takes the key past it: such a lock guards no run of the key).
 #: ``lock_id(name)``: keys.lock_id_for in SQL (the first 8 bytes of SHA-256, signed).
 #: ``ids_fit(label, ids)``: every id is the lock id of a key of the label, of one of its
-#: slots (--slots), of its queue slot (--coalesce), or the id a ``lock-id:N`` part names: a row can only ever claim its own
-#: key's locks. ``stamp_requester``: who asked is the database's word, never the client's.
+#: slots (--slots), of its queue slot (--coalesce), or the id a ``lock-id:N`` part names:
+#: a row can only ever claim its own key's locks. ``stamp_requester``: who asked is the
+#: database's word, never the client's.
 #: SECURITY INVOKER all: each sees what its caller sees.
 FUNCTIONS = f"""
 CREATE OR REPLACE FUNCTION jobrun.allowed_for(who name, label text, need text) RETURNS boolean
