@@ -61,3 +61,28 @@ def started(log: Path) -> int:
     if not log.exists():
         return 0
     return sum(1 for line in log.read_text().splitlines() if line.split()[1] == "start")
+
+
+def attempt_child(log: Path, counter: Path, codes: list[int], *, seconds: float = 0.0) -> list[str]:
+    """A child whose Nth start (counted in ``counter``) ends with ``codes[N]`` (then 0).
+
+    It records its span in ``log`` (as span_child). A negative code: it kills itself with
+    that signal.
+    """
+    body = (
+        "import os, signal, sys, time\n"
+        f"log, counter, codes = {str(log)!r}, {str(counter)!r}, {codes!r}\n"
+        "n = int(open(counter).read()) if os.path.exists(counter) else 0\n"
+        "open(counter, 'w').write(str(n + 1))\n"
+        "def note(what):\n"
+        "    with open(log, 'a') as f:\n"
+        "        f.write(f'{os.getpid()} {what} {time.time():.6f}\\n')\n"
+        "note('start')\n"
+        f"time.sleep({seconds})\n"
+        "note('end')\n"
+        "code = codes[n] if n < len(codes) else 0\n"
+        "if code < 0:\n"
+        "    os.kill(os.getpid(), -code)\n"
+        "sys.exit(code)\n"
+    )
+    return [sys.executable, "-c", body]
