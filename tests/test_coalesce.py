@@ -69,7 +69,8 @@ def _end_all(*procs: subprocess.Popen[str]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate()
+        if proc.stderr is not None and not proc.stderr.closed:
+            proc.communicate()
 
 
 def _skip_reason(result: subprocess.CompletedProcess[str]) -> str:
@@ -130,6 +131,34 @@ class TestCoalesce:
             [("succeeded", None)] * 2 + [("skipped", "queued")] * 3
         )
         assert [r[2] for r in rows if r[2] is not None] == [dequeued["queued_seconds"]]
+
+    def test_a_herd_arriving_at_once_queues_exactly_one(self, dsn, key, tmp_path, mode):
+        """Six runs started together behind a holder: one queues, five skip (queued)."""
+        log, go = tmp_path / "spans", tmp_path / "go"
+        holder = _holder(key, mode, log, go, dsn)
+        herd = [_start(key, mode, "--coalesce", "--", *span_child(log), dsn=dsn) for _ in range(6)]
+        try:
+            wait_until(
+                lambda: sum(proc.poll() is not None for proc in herd) == 5,
+                timeout=60,
+                what="five of the herd to skip",
+            )
+            waiting = [proc for proc in herd if proc.poll() is None]
+            assert len(waiting) == 1
+            for proc in herd:
+                if proc is not waiting[0]:
+                    _, stderr = proc.communicate()
+                    assert proc.returncode == 75, stderr
+                    assert jobrun_cli.event(stderr, "skipped")["reason"] == "queued"
+            assert started(log) == 1
+            go.touch()
+            assert _finish(holder) == 0
+            _, rest = waiting[0].communicate(timeout=30)
+            assert waiting[0].returncode == 0, rest
+        finally:
+            go.touch()
+            _end_all(holder, *herd)
+        assert len(assert_no_overlap(log)) == 2
 
     def test_wait_bounds_the_queue_and_frees_the_slot(self, dsn, key, tmp_path, mode):
         """--wait: the queued run gives up (skip: locked) and the next arrival may queue."""
