@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -248,6 +249,33 @@ class TestCoalesce:
         # Another team may not take a-queue's queue slot (nor the key).
         other = _run("a-queue", mode, "--coalesce", "--", "true", dsn=teams.b)
         assert other.returncode == 69, other.stderr
+
+
+class TestLeaseQueue:
+    def test_the_queue_slot_lease_is_renewed_while_the_run_waits(self, dsn, key, tmp_path):
+        """Queued for twice the slot's TTL: a later arrival still finds the queue taken."""
+        log, go = tmp_path / "spans", tmp_path / "go"
+        holder = _holder(key, "lease", log, go, dsn)
+        queued = _start(key, "lease", "--coalesce", "--", *span_child(log), dsn=dsn)
+        try:
+            _events_until(queued, "queued")
+            time.sleep(2 * LEASE_TTL)  # what is under test: the slot outlives its TTL
+            later = _run(key, "lease", "--coalesce", "--", "true", dsn=dsn)
+            assert _skip_reason(later) == "queued"
+            with psycopg.connect(dsn) as conn:
+                row = conn.execute(
+                    "SELECT expires_at > clock_timestamp() FROM jobrun.leases WHERE lock_id = %s",
+                    (queue.queue_lock_id(key),),
+                ).fetchone()
+            assert row == (True,)
+            go.touch()
+            assert _finish(holder) == 0
+            _, rest = queued.communicate(timeout=30)
+            assert queued.returncode == 0, rest
+        finally:
+            go.touch()
+            _end_all(holder, queued)
+        assert len(assert_no_overlap(log)) == 2
 
 
 class TestRefused:

@@ -249,3 +249,22 @@ class TestRefused:
         result = jobrun_cli.run("--key", "k", *args, "--", "true", dsn="host=/nonexistent")
         assert result.returncode == 64, result.stderr
         assert message in result.stderr
+
+
+class TestOlderHistory:
+    def test_a_role_that_cannot_add_the_columns_still_records_its_run(self, teams, tmp_path):
+        """A history from before the columns, a granted role: the row, without the attempts."""
+        with psycopg.connect(teams.owner, autocommit=True) as conn:
+            conn.execute(
+                "ALTER TABLE jobrun.runs DROP COLUMN attempts, DROP COLUMN attempt_exit_codes"
+            )
+        result = jobrun_cli.run(
+            "--key", "a-old", "--retries", "1", "--retry-delay", "10ms", "--",
+            *attempt_child(tmp_path / "spans", tmp_path / "n", [1]), dsn=teams.a,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        with psycopg.connect(teams.owner) as conn:
+            row = conn.execute(
+                "SELECT outcome, exit_code FROM jobrun.runs WHERE key = 'a-old'"
+            ).fetchone()
+        assert row == ("succeeded", 0)
