@@ -198,7 +198,7 @@ class _Retries:
             log.warning(
                 "retrying",
                 attempt=len(codes) + 1,
-                attempts=job.retries + 1,
+                max_attempts=job.retries + 1,
                 exit_code=codes[-1],
                 delay=round(delay, 3),
             )
