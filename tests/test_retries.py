@@ -268,3 +268,17 @@ class TestOlderHistory:
                 "SELECT outcome, exit_code FROM jobrun.runs WHERE key = 'a-old'"
             ).fetchone()
         assert row == ("succeeded", 0)
+        shown = jobrun_cli.run("history", "a-old", "--json", dsn=teams.owner)
+        assert shown.returncode == 0, shown.stderr
+        assert [run["outcome"] for run in json.loads(shown.stdout)] == ["succeeded"]
+
+    def test_history_shows_the_attempts(self, dsn, key, tmp_path):
+        result = jobrun_cli.run(
+            "--key", key, "--retries", "1", "--retry-delay", "10ms", "--",
+            *attempt_child(tmp_path / "spans", tmp_path / "n", [4]), dsn=dsn,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        shown = jobrun_cli.run("history", key, dsn=dsn)
+        assert "2 attempts (4,0)" in shown.stdout, shown.stdout
+        runs = json.loads(jobrun_cli.run("history", key, "--json", dsn=dsn).stdout)
+        assert (runs[0]["attempts"], runs[0]["attempt_exit_codes"]) == (2, [4, 0])

@@ -676,3 +676,14 @@ def runs_note(columns: tuple[str, ...]) -> str:
         raise ValueError(f"not a noted column: {sorted(unknown)}")
     sets = ", ".join(f"{column} = %(note_{column})s" for column in columns)
     return f"UPDATE jobrun.runs SET {sets} WHERE run_id = %(run_id)s"
+
+
+#: ``jobrun history KEY``: RUNS_OF_KEY with the noted columns (a history from before them:
+#: RUNS_OF_KEY alone, jobrun.ops.status.runs). Joined by the primary key, whatever
+#: RUNS_OF_KEY selects.
+RUNS_OF_KEY_NOTED = f"""
+SELECT r.*, {", ".join(f"n.{column}" for column in RUNS_NOTED_COLUMNS)}
+FROM ({RUNS_OF_KEY.strip()}) AS r
+JOIN jobrun.runs AS n ON n.run_id = r.run_id
+ORDER BY r.started_at DESC
+"""
