@@ -195,23 +195,30 @@ class TestRetries:
         assert _run(key, mode, "--", "true", dsn=dsn).returncode == 0  # released
 
 
-class TestRetriesSession:
-    def test_a_lost_lock_stops_retrying(self, dsn, key, tmp_path):
-        """The lock session terminated during the pause: no further attempt."""
+@pytest.mark.parametrize("mode", MODES)
+class TestLostLockBetweenAttempts:
+    def test_a_lost_lock_stops_retrying(self, dsn, key, tmp_path, mode):
+        """The lock taken away during the pause (session ended, lease deleted): no retry."""
         log, counter = tmp_path / "spans", tmp_path / "n"
         proc = _start(
-            key, "session", "--retries", "3", "--retry-delay", "1h", "--",
+            key, mode, "--retries", "3", "--retry-delay", "1h", "--",
             *attempt_child(log, counter, [8]), dsn=dsn,
         )  # fmt: skip
         try:
             _events_until(proc, "retrying")
             classid, objid = keys.from_name(key).pg_locks_pair
             with psycopg.connect(dsn, autocommit=True) as conn:
-                conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
-                    "AND classid = %s::int8::oid AND objid = %s::int8::oid AND objsubid = 1",
-                    (classid, objid),
-                )
+                if mode == "session":
+                    conn.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_locks "
+                        "WHERE locktype = 'advisory' AND classid = %s::int8::oid "
+                        "AND objid = %s::int8::oid AND objsubid = 1",
+                        (classid, objid),
+                    )
+                else:
+                    conn.execute(
+                        "DELETE FROM jobrun.leases WHERE lock_id = %s", (keys.lock_id_for(key),)
+                    )
             _, rest = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
@@ -221,6 +228,8 @@ class TestRetriesSession:
         assert "lock_lost" in jobrun_cli.event(rest, "retry_abandoned")
         assert started(log) == 1
 
+
+class TestRetriesSession:
     def test_one_start_ping_and_one_end_ping_per_run(self, dsn, key, tmp_path):
         monitor = Monitor()
         try:
