@@ -1,7 +1,8 @@
 """Chaos soak: guarded runs of one key under injected faults, counting overlaps, orphans, exit 70.
 
 Several workers start ``python -m jobrun`` of this checkout for one key, again and again,
-with random options (session or lease mode, a --wait or none, straight to the server or
+with random options (session or lease mode, a --wait or none, --coalesce, --jitter and
+--retries now and then, straight to the server or
 through a TCP proxy that can reset and black-hole connections). Each run's child is an
 overlap detector: it takes an exclusive, non-blocking ``flock`` on one file; a child that
 cannot get it has found another run's child still running, and records an overlap. A share
@@ -73,6 +74,8 @@ CHILD = r"""
 import fcntl, json, os, signal, sys, time
 
 work, token, run_for, on_term = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+# "fail_first" (a run with --retries): the token's first attempt exits 1, the retry 0.
+fail_first = sys.argv[5:] == ["fail_first"]
 
 def record(kind, **fields):
     line = json.dumps({"kind": kind, "token": token, "t": time.time(), **fields}) + "\n"
@@ -105,7 +108,15 @@ def finish(signum=None, frame=None):
             return  # SIGKILL will come after --kill-after
         time.sleep(float(on_term))  # a slow shutdown, shorter than --kill-after
     record("exit")
-    os._exit(0 if signum is None else 128 + signum)
+    failed = 0
+    if fail_first and signum is None:
+        os.makedirs(os.path.join(work, "failed"), exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(work, "failed", token), os.O_CREAT | os.O_EXCL))
+            failed = 1
+        except FileExistsError:
+            pass
+    os._exit(failed if signum is None else 128 + signum)
 
 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # jobrun forwards all three
     signal.signal(signum, finish)
@@ -134,6 +145,8 @@ class Run:
     ended: float = 0.0
     status: int | None = None
     proc: subprocess.Popen[bytes] | None = None
+    #: The drawn options beyond mode and --wait: --coalesce, --jitter, --retries.
+    extras: tuple[str, ...] = ()
 
 
 @dataclass
@@ -274,6 +287,9 @@ class Soak:
             options += ["--ttl", f"{a.ttl}s"]
         options += self.watching(rng)
         child = [sys.executable, str(self.child), str(self.work), run.token, run_for, on_term]
+        options += _extra_options(run.extras)
+        if "retries" in run.extras:
+            child.append("fail_first")
         return [sys.executable, "-m", "jobrun", *options, "--", *child]
 
     def watching(self, rng: random.Random) -> list[str]:
@@ -301,6 +317,13 @@ class Soak:
                 # Two in three wait for the key: more of them get to run a child.
                 wait=rng.choice([0.0, rng.uniform(0.5, 5.0), rng.uniform(0.5, 5.0)]),
                 started=time.time(),
+                # One in five of each: queued behind the holder, a delay before the lock, a
+                # first attempt that fails and is retried under the same lock.
+                extras=tuple(
+                    name
+                    for name in ("coalesce", "jitter", "jitter_random", "retries")
+                    if rng.random() < 0.2
+                ),
             )
             dsn = self.cluster.direct_dsn if run.path == "direct" else self.cluster.proxied_dsn
             env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBRUN_", "PG"))}
@@ -540,6 +563,18 @@ def records(work: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _extra_options(extras: tuple[str, ...]) -> list[str]:
+    """The command-line options of a run's drawn extras."""
+    options = []
+    if "coalesce" in extras:
+        options += ["--coalesce"]
+    if "jitter" in extras or "jitter_random" in extras:
+        options += ["--jitter", "1s"] + (["--jitter-random"] if "jitter_random" in extras else [])
+    if "retries" in extras:
+        options += ["--retries", "2", "--retry-delay", "100ms"]
+    return options
+
+
 def report(soak: Soak, wall: float) -> dict[str, Any]:
     """The figures; ``failures`` must all be 0."""
     a, tally = soak.args, soak.tally
@@ -600,6 +635,14 @@ def report(soak: Soak, wall: float) -> dict[str, Any]:
         "runs_by_mode_and_path": dict(
             collections.Counter(f"{r.mode}/{r.path}" for r in tally.runs)
         ),
+        "runs_by_option": dict(
+            sorted(collections.Counter(name for r in tally.runs for name in r.extras).items())
+        ),
+        # Children started again by --retries (their token's second start or later).
+        "retried_attempts": sum(
+            collections.Counter(r["token"] for r in recs if r["kind"] == "start").values()
+        )
+        - guarded,
         "faults": sum(tally.faults.values()),
         "faults_by_kind": dict(sorted(tally.faults.items())),
         "fault_injection_errors": dict(tally.fault_errors),

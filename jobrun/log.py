@@ -397,6 +397,8 @@ def _started(fields: Mapping[str, Any], _today: str) -> list[_Field]:
     ]
     if fields.get("guarded") is False:
         found.append(_Field("guarded", "no"))
+    if fields.get("attempt"):  # --retries: the second attempt on
+        found.append(_Field("attempt", _text(fields["attempt"])))
     return found
 
 
@@ -417,6 +419,8 @@ def _finished(fields: Mapping[str, Any], _today: str) -> list[_Field]:
     found.append(_Field("duration", _seconds(fields.get("duration"))))
     if fields.get("lock_lost"):
         found.append(_Field("lock_lost", _text(fields["lock_lost"]), keep="start", drop=1))
+    if fields.get("attempts"):  # --retries
+        found.append(_Field("attempts", _text(fields["attempts"]), drop=1))
     return found
 
 

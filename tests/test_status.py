@@ -89,6 +89,11 @@ HISTORY_FIELDS = {
     "deadlocks",
     "streak",
     "holder",
+    # --coalesce, --jitter, --retries
+    "queued_seconds",
+    "jitter_seconds",
+    "attempts",
+    "attempt_exit_codes",
 }
 
 

@@ -239,16 +239,16 @@ class TestWarnAfter:
 
 
 class TestWarnAfterUsage:
-    def test_auto_without_history_is_a_usage_error(self, key):
-        result = jobrun_cli.run(
+    def test_auto_without_history_is_a_usage_error(self, jobrun_here, key):
+        result = jobrun_here.run(
             "--key", key, "--warn-after", "auto", "--no-history", "--", "true", dsn=None
         )
         assert result.returncode == 64
         assert result.stderr.count("\n") == 1
         assert "--warn-after auto" in result.stderr
 
-    def test_a_bad_duration_is_a_usage_error(self, key):
-        result = jobrun_cli.run("--key", key, "--warn-after", "soon", "--", "true", dsn=None)
+    def test_a_bad_duration_is_a_usage_error(self, jobrun_here, key):
+        result = jobrun_here.run("--key", key, "--warn-after", "soon", "--", "true", dsn=None)
         assert result.returncode == 64
         assert "auto" in result.stderr
 
@@ -335,8 +335,8 @@ class TestTzWindows:
             skipped = event(berlin.stderr, "skipped")
             assert skipped["previous_window_start"] == local_midnight.isoformat()
 
-    def test_a_bad_zone_is_one_line_exit_64(self, key):
-        result = jobrun_cli.run(
+    def test_a_bad_zone_is_one_line_exit_64(self, jobrun_here, key):
+        result = jobrun_here.run(
             "--key", key, "--once-per", "1d", "--tz", "Mars/Olympus", "--", "true", dsn=None
         )
         assert result.returncode == 64
@@ -432,8 +432,8 @@ class TestRequires:
         assert mine.returncode == 75, mine.stderr
         assert event(mine.stderr, "skipped")["requirement"] == "never_ran"
 
-    def test_without_history_is_a_usage_error(self, key, mode):
-        result = jobrun_cli.run(
+    def test_without_history_is_a_usage_error(self, jobrun_here, key, mode):
+        result = jobrun_here.run(
             "--key", key, "--mode", mode, "--requires", "x", "--no-history", "--", "true",
             dsn=None,
         )  # fmt: skip

@@ -6,7 +6,7 @@ import datetime as dt
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 def new_run_id() -> str:
@@ -35,6 +35,9 @@ class Holder:
     Every field but the key is optional (privileges, foreign holders); ``mode`` is how it
     holds the lock (``session`` or ``lease``) where that is said.
     """
+
+    #: Why a run that finds this holder skips (``--coalesce``: ``queued``, a subclass's).
+    skip_reason: ClassVar[str] = "locked"
 
     key: str
     mode: str | None = None

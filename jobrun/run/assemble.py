@@ -95,6 +95,12 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
         once_per=settings.once_per,
         pass_env=settings.pass_env,
         warn_after=settings.warn_after,
+        coalesce=settings.coalesce,
+        jitter=settings.jitter,
+        jitter_random=settings.jitter_random,
+        retries=settings.retries,
+        retry_delay=settings.retry_delay,
+        retry_on=settings.retry_on,
     )
     session = _session(settings, target, identity)
     lock: Lock
@@ -106,6 +112,8 @@ def run(argv: tuple[str, ...], settings: Settings) -> int:
             [_lock(settings, (key,), session, identity, bound) for key in slot_keys],
             [key.lock_id for key in slot_keys],
         )
+    elif settings.coalesce:
+        lock = _coalescing(settings, session, identity, bound)
     else:
         lock = _lock(settings, run_keys, session, identity, bound)
     recorder = _recorder(
@@ -217,6 +225,23 @@ def _lock(
         heartbeat=settings.heartbeat,
         kill_after=settings.kill_after,
         fence=settings.fence,
+    )
+
+
+def _coalescing(
+    settings: Settings, session: ServerSession, identity: Identity, log: FilteringBoundLogger
+) -> Lock:
+    """--coalesce: the key's lock, and its queue slot's, in the run's mode (one named key)."""
+    from jobrun.locks import queue
+
+    key = settings.run_keys[0]
+    return queue.CoalesceLock(
+        _lock(settings, (key,), session, identity, log),
+        _lock(settings, (queue.queue_key(key),), session, identity, log),
+        session,
+        key,
+        log,
+        lease=settings.mode == "lease",
     )
 
 

@@ -7,6 +7,7 @@ watchdog, and tells the listeners how it ended.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from jobrun.keys import describe
 from jobrun.run import supervise
 
 if TYPE_CHECKING:
+    import subprocess
     from collections.abc import Mapping
 
     from structlog.typing import FilteringBoundLogger
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from jobrun.db.server_session import ServerSession
     from jobrun.locks import Identity
     from jobrun.run.job import Job
-    from jobrun.run.listeners import Listeners
+    from jobrun.run.listeners import Listeners, Recorder
     from jobrun.run.slow import Bound
     from jobrun.run.watchdog import Watchdog
 
@@ -72,6 +74,10 @@ class ChildRun:
     log: FilteringBoundLogger
     #: --warn-after: the bound past which the run is slow (None: never).
     warn: Bound | None = None
+    #: Where ``--retries`` notes the attempts (None: a run without history, or unguarded).
+    history: Recorder | None = None
+    #: ``--retries``: each attempt's exit status, once the child is done (else empty).
+    attempts: list[int] = dataclasses.field(default_factory=list)
 
     def run(
         self,
@@ -117,10 +123,17 @@ class ChildRun:
                 log=log,
                 **self._slow_watch(listeners),
             )
+            if job.retries and guarded:
+                retries = _Retries(self, child_mask, env, listeners, watchdog, started)
+                try:
+                    ending = retries.run(ending)
+                finally:
+                    if retries.child is not None:
+                        child = retries.child  # the one to abort on a bug of jobrun's
             listeners.exited()  # the group is gone: its pipes can be drained
             outcome, status = _outcome(ending)
             # The line first: the history write may take a few seconds on a bad network.
-            _log_finished(ending, outcome, status, log)
+            _log_finished(ending, outcome, status, log, attempts=self.attempts)
             held = guarded and job.min_hold and outcome != "lock_lost"
             hold_until = started + job.min_hold if held and job.min_hold else None
             self._resume_for_the_end(guarded=guarded, hold_until=hold_until)
@@ -168,6 +181,77 @@ class ChildRun:
             self.session.end_with(None)
 
 
+@dataclass
+class _Retries:
+    """``--retries``: the child again after a failing attempt, under the same lock.
+
+    Each attempt is started and supervised as the first; the pause between two sleeps with
+    the lock held and watched (``pacing.pause``). ``--timeout`` bounds the whole run: an
+    attempt gets what is left of it, and none starts once it is spent.
+    """
+
+    owner: ChildRun
+    child_mask: frozenset[int]
+    env: dict[str, str]
+    listeners: Listeners
+    watchdog: Watchdog | None
+    started: float
+    #: The attempt's child once a retry started (None: still the first).
+    child: subprocess.Popen[bytes] | None = None
+
+    def run(self, ending: supervise.Ending) -> supervise.Ending:
+        """Try again while the rules allow; the last attempt's ending (whole-run duration)."""
+        from jobrun.exitcodes import from_wait_status as status_of  # noqa: PLC0415
+        from jobrun.run import pacing  # noqa: PLC0415 - only runs with --retries
+
+        job, log = self.owner.job, self.owner.log
+        codes = [status_of(ending.returncode)]
+        while pacing.retryable(job, ending, attempts=len(codes)):
+            delay = pacing.retry_delay(job.retry_delay, len(codes))
+            left = self._left()
+            if left is not None and left <= delay:
+                log.warning("retry_abandoned", reason="timeout", timeout=job.timeout)
+                break
+            log.warning(
+                "retrying",
+                attempt=len(codes) + 1,
+                max_attempts=job.retries + 1,
+                exit_code=codes[-1],
+                delay=round(delay, 3),
+            )
+            if pacing.pause(delay, self.watchdog, log) is not None:
+                break
+            try:
+                child = supervise.spawn(
+                    job.argv, self.env, self.child_mask, stdio=self.listeners.stdio()
+                )
+            except supervise.ExecFailed as exc:
+                attempt = len(codes) + 1
+                log.error(exc.event, error=str(exc), exit_code=exc.exit_code, attempt=attempt)
+                break
+            self.child = child
+            log.info("started", command=job.argv[0], child_pid=child.pid, attempt=len(codes) + 1)
+            left = self._left()
+            ending = supervise.supervise(
+                child,
+                timeout=None if left is None else max(left, 0.001),
+                kill_after=job.kill_after,
+                watchdog=self.watchdog,
+                terminate_on_lock_lost=job.on_lock_lost == "terminate",
+                log=log,
+            )
+            codes.append(status_of(ending.returncode))
+        if self.owner.history is not None:
+            self.owner.history.note(attempts=len(codes), attempt_exit_codes=codes)
+        self.owner.attempts = codes
+        return dataclasses.replace(ending, duration=time.monotonic() - self.started)
+
+    def _left(self) -> float | None:
+        """What is left of the whole run's --timeout (None: no timeout)."""
+        timeout = self.owner.job.timeout
+        return None if timeout is None else self.started + timeout - time.monotonic()
+
+
 def _outcome(ending: supervise.Ending) -> tuple[str, int]:
     """(outcome, jobrun's exit status) for how the child ended."""
     if ending.stopped_for == "timed_out":
@@ -192,7 +276,12 @@ def _hold(until: float, log: FilteringBoundLogger) -> None:
 
 
 def _log_finished(
-    ending: supervise.Ending, outcome: str, status: int, log: FilteringBoundLogger
+    ending: supervise.Ending,
+    outcome: str,
+    status: int,
+    log: FilteringBoundLogger,
+    *,
+    attempts: list[int],
 ) -> None:
     emit = (
         log.info
@@ -209,4 +298,6 @@ def _log_finished(
         signal=ending.signal_name,
         duration=round(ending.duration, 3),
         **({"lock_lost": ending.lost_reason} if ending.lost_reason else {}),
+        # --retries: how many attempts, and each one's exit status.
+        **({"attempts": len(attempts), "attempt_exit_codes": attempts} if attempts else {}),
     )

@@ -28,3 +28,13 @@ class Job:
     pass_env: tuple[str, ...]
     #: --warn-after: seconds, "auto", or None.
     warn_after: float | str | None = None
+    # --- --coalesce, --jitter, --retries (off by default) -----------------------------------
+    #: ``--coalesce``: when the key is held, wait as its one queued run.
+    coalesce: bool = False
+    #: ``--jitter``: longest delay before the first attempt (0: none); ``jitter_random``.
+    jitter: float = 0.0
+    jitter_random: bool = False
+    #: ``--retries``, ``--retry-delay``, ``--retry-on`` (empty: any non-zero exit).
+    retries: int = 0
+    retry_delay: float = 1.0
+    retry_on: tuple[int, ...] = ()

@@ -69,6 +69,10 @@ class Recorder(Protocol):
         """Record the run under these lock ids (``--slots``: its slot's)."""
         ...
 
+    def note(self, **columns: object) -> None:
+        """Columns the run's options add to its last row (``sql.history.RUNS_NOTED_COLUMNS``)."""
+        ...
+
     def started(self, child_pid: int | None) -> None:
         """The child is running (never waits for the database)."""
         ...

@@ -158,6 +158,10 @@ class NoHistory:
         """Without history there is no earlier run to know about."""
         return None
 
+    def note(self, **columns: object) -> None:
+        """No row to add the columns to."""
+        del columns
+
     def started(self, child_pid: int | None) -> None:
         """Nothing to record."""
 

@@ -103,6 +103,8 @@ class Recorder:
         self._acquired_at: dt.datetime | None = None
         self._deadlocks_at_start: int | None = None
         self._child_pid: int | None = None
+        #: Columns the run's options add to its row (``note``): none in a plain run.
+        self._noted: dict[str, object] = {}
 
     @property
     def calls(self) -> Calls:
@@ -245,6 +247,22 @@ class Recorder:
         """The pause of this key that ``acquired`` found in force (None: not paused)."""
         return self._pause
 
+    def note(self, **columns: object) -> None:
+        """Columns for the run's last row (``sql.history.RUNS_NOTED_COLUMNS``).
+
+        --coalesce, --jitter, --retries: written by one more statement in that row's message.
+        """
+        self._noted.update(columns)
+
+    def _with_notes(self, statements: list[str], params: dict[str, object]) -> None:
+        """Add the noted columns' UPDATE to a last message (nothing in a plain run)."""
+        if not self._noted:
+            return
+        from jobrun.sql import history  # noqa: PLC0415 - only runs that note columns
+
+        statements.append(history.runs_note(tuple(self._noted)))
+        params.update({f"note_{name}": value for name, value in self._noted.items()})
+
     def started(self, child_pid: int | None) -> None:
         """Remember the child's pid for the end of the run (the running row already exists)."""
         self._child_pid = child_pid
@@ -277,6 +295,7 @@ class Recorder:
             # --keep-output: a failed run's tails ride in the end row's message.
             statements.append(sql.RUNS_STORE_TAIL)
             params.update(stdout=kept.stdout_tail, stderr=kept.stderr_tail)
+        self._with_notes(statements, params)
         # The run's last call: it carries the lock's release (no round trip of its own).
         result = self._calls.run(
             "recording the end",
@@ -341,17 +360,21 @@ class Recorder:
         params = {
             **self._row,
             "reason": reason,
-            "locked": reason == "locked",
+            # A --coalesce arrival that found the queue taken skips behind the same holder.
+            "locked": reason in {"locked", "queued"},
             "exit_code": exit_code,
             "duration": round(time.monotonic() - self._created, 3),
             "holder_ref": holder_ref(holder_fields) if reason == "locked" else None,
             "holder": Jsonb(dict(holder_fields), dumps=_json_dumps) if holder_fields else None,
         }
+        statements = [sql.RUNS_SKIP_SERIALIZE, sql.RUNS_SKIP, sql.RUNS_PRUNE]
+        self._with_notes(statements, params)
         result = self._calls.run(
             "recording the skip",
-            (sql.RUNS_SKIP_SERIALIZE, sql.RUNS_SKIP, sql.RUNS_PRUNE),
+            statements,
             params,
             last=True,
+            otherwise=statements[:3] if len(statements) > 3 else None,  # noqa: PLR2004
         )
         row = result[1][0] if result else None
         self.notifier.metrics(

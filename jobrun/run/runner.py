@@ -96,6 +96,8 @@ class _GuardedRun:
 
     def run(self) -> int:
         job = self.job
+        if job.jitter > 0:
+            self._jitter()  # before any connection: nothing is held while it lasts
         try:
             with self.waiting.around(job.wait) if self.waiting else contextlib.nullcontext():
                 got = self.lock.acquire(job.wait)
@@ -112,11 +114,14 @@ class _GuardedRun:
             return self.status
         if isinstance(got, Holder):  # held by someone else: skip
             try:
-                return self._skip("locked", got.fields())
+                return self._skip(got.skip_reason, got.fields())
             finally:
                 # The skip's row went over the lock session; a herd of skips must not keep
                 # their sessions a moment longer (nothing is held: this only closes it).
                 self._release()
+        queued = getattr(self.lock, "queued_seconds", None)  # --coalesce
+        if queued is not None:
+            self.history.note(queued_seconds=queued)
         slot = got.slot
         if slot is not None:
             # The history knows the run by its slot's lock id: a run in another slot of the
@@ -136,6 +141,25 @@ class _GuardedRun:
             self._release()
             raise
         return self.status
+
+    def _jitter(self) -> None:
+        """--jitter: sleep the host's delay for the key (or a fresh one) before the lock.
+
+        A signal ends it at once (``interrupted``, child never started); ``jobrun stop``
+        cannot reach it (it addresses the key's holder).
+        """
+        import time  # noqa: PLC0415 - only runs with --jitter
+
+        from jobrun.keys import describe  # noqa: PLC0415
+        from jobrun.run import pacing  # noqa: PLC0415
+
+        job = self.job
+        delay = pacing.jitter_delay(job.jitter, describe(job.keys), fresh=job.jitter_random)
+        self.log.info(
+            "jitter", delay=round(delay, 3), jitter=job.jitter, fixed=not job.jitter_random
+        )
+        self.history.note(jitter_seconds=round(delay, 3))
+        time.sleep(delay)
 
     def _release(self) -> None:
         """Give the lock back, then close the run's session (session mode: the lock's)."""
@@ -210,7 +234,10 @@ class _GuardedRun:
 
     def _child(self, warn: Bound | None = None) -> ChildRun:
         """Start -> supervise -> finish: the child's part (``jobrun.run.child``)."""
-        return ChildRun(self.job, self.session, self.identity, self.environ, self.log, warn)
+        history = self.history if self.job.retries else None  # --retries notes attempts
+        return ChildRun(
+            self.job, self.session, self.identity, self.environ, self.log, warn, history=history
+        )
 
     def _unavailable(self, exc: LockStoreUnavailable, *, ends_run: bool, **fields: bool) -> None:
         """The lock store failed us; ``ends_run``: this is the run's last line (its status)."""

@@ -212,6 +212,45 @@ class Settings:
         default="1d",
         help="How recent a --requires key's success must be.",
     )
+    # --- Queueing, jitter and retries (--coalesce, --jitter, --retries): jobrun.run.retry,
+    # jobrun.locks.queue. Each is off by default: a plain run imports nothing of them.
+    coalesce: bool = option(
+        "--coalesce",
+        is_flag=True,
+        help="Key held: the first arrival waits as the one queued run (up to --wait, else "
+        "until the holder ends); later arrivals skip (reason queued).",
+    )
+    jitter: float = option(
+        "--jitter",
+        Duration(),
+        default="0",
+        help="Wait a delay in [0, DURATION) before trying the lock, the same for a host and "
+        "key every time (hash of the machine id or host name and the key).",
+    )
+    jitter_random: bool = option(
+        "--jitter-random",
+        is_flag=True,
+        help="With --jitter: draw a fresh delay each run instead of the host's fixed one.",
+    )
+    retries: int = option(
+        "--retries",
+        click.IntRange(0, 100),
+        default=0,
+        metavar="N",
+        help="Run a failed child again up to N times, under the same lock, in the same run.",
+    )
+    retry_delay: float = option(
+        "--retry-delay",
+        Duration(),
+        default="1s",
+        help="Pause before the first retry, doubled for each next one (at most 10 times it).",
+    )
+    #: Exit codes that are retried (empty: any non-zero exit).
+    retry_on: tuple[int, ...] = option(
+        "--retry-on",
+        metavar="CODES",
+        help="Retry only these exit codes (comma list, e.g. 1,75); default: any non-zero exit.",
+    )
     ping: str | None = option(
         "--ping",
         secret=True,
@@ -303,6 +342,7 @@ class Settings:
             # masked wherever a --ping URL is (kept output, the hook's event).
             given["ping"] = ping.resolve(given["ping"], given["ping_base"])
         every, grace = given["expect_every"], given["expect_grace"]
+        given["retry_on"] = _retry_codes(given["retry_on"])
         return cls(
             **{
                 **given,
@@ -335,6 +375,7 @@ def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
             "--fence with --on-db-error run: a run without the database has no fencing "
             "token; drop one of them"
         )
+    _check_queue_jitter_retries(given, run_keys)
     if no_history and given["ping"] is None and _keeps_output(given["keep_output"]):
         raise UsageError(
             "--keep-output keeps the tails in the run history and sends them with --ping: "
@@ -369,6 +410,33 @@ def _normalized(normalize: Callable[[str], str], label: str) -> str:
         return normalize(label)
     except UsageError as exc:
         raise UsageError(f"--requires {label!r}: {exc}") from None
+def _check_queue_jitter_retries(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
+    """--coalesce, --jitter and --retries: their rules about the other options."""
+    if given["coalesce"] and given["slots"] > 1:
+        raise UsageError("--coalesce with --slots: a queued run waits for one lock; drop one")
+    if given["coalesce"] and (len(run_keys) != 1 or run_keys[0].name is None):
+        raise UsageError("--coalesce takes one key name (--key NAME)")
+    if given["jitter_random"] and not given["jitter"]:
+        raise UsageError("--jitter-random goes with --jitter DURATION")
+    if given["retries"] == 0 and given["retry_on"]:
+        raise UsageError("--retry-on goes with --retries N")
+    if given["retries"] and _keeps_output(given["keep_output"]):
+        raise UsageError(
+            "--retries with --keep-output: the kept tails would mix the attempts; drop one of them"
+        )
+
+
+def _retry_codes(text: str | None) -> tuple[int, ...]:
+    """--retry-on's comma list of exit codes (empty: any non-zero exit)."""
+    if not text:
+        return ()
+    codes = []
+    for written in text.split(","):
+        part = written.strip()
+        if not (part.isascii() and part.isdigit()) or not 1 <= int(part) <= 255:  # noqa: PLR2004
+            raise UsageError(f"--retry-on: {part!r} is not an exit code from 1 to 255")
+        codes.append(int(part))
+    return tuple(codes)
 
 
 def _keeps_output(keep_output: str | None) -> bool:

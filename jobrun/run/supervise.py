@@ -66,6 +66,8 @@ class Ending:
     stopped_for: str | None  # "timed_out", "lock_lost" or "stopped" when jobrun stopped it
     lost_reason: str | None  # why the lock was lost (also with --on-lock-lost ignore)
     duration: float
+    #: The last signal passed on to the child (--retries: a job asked to end is not retried).
+    forwarded: int | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -241,6 +243,7 @@ def supervise(
         stopped_for=supervision.stopped_for,
         lost_reason=supervision.lost_reason,
         duration=time.monotonic() - supervision.started,
+        forwarded=supervision.forwarded,
     )
 
 
@@ -271,6 +274,7 @@ class _Supervision:
         #: --warn-after: when the child is slow, and whom to tell (once).
         self.warn_at = math.inf
         self.on_slow: Callable[[float], None] | None = None
+        self.forwarded: int | None = None
 
     def step(self) -> None:
         """Act on whatever deadline has passed, then sleep until the next one or a signal."""
@@ -294,7 +298,9 @@ class _Supervision:
             deadlines.append(self.warn_at)
             if self.watchdog is not None:
                 deadlines.append(self.watchdog.stop_at)
-        _wait_and_forward(min(min(deadlines) - now, _IDLE_WAIT), self.group, self.log)
+        forwarded = _wait_and_forward(min(min(deadlines) - now, _IDLE_WAIT), self.group, self.log)
+        if forwarded is not None:
+            self.forwarded = forwarded
 
     def _check_lock(self, now: float) -> None:
         watchdog = self.watchdog
@@ -355,12 +361,15 @@ def linger(seconds: float) -> int | None:
     return None
 
 
-def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) -> None:
+def _wait_and_forward(seconds: float, group: _Group, log: FilteringBoundLogger) -> int | None:
+    """Wait for a signal up to ``seconds``; pass one for the child on (returned)."""
     info = signal.sigtimedwait(WAITED, max(0.0, seconds))
     if info is not None and info.si_signo in FORWARDED:
         name = signal.Signals(info.si_signo).name
         log.info("signal_forwarded", signal=name, sender_pid=info.si_pid)
         group.send(info.si_signo)
+        return info.si_signo
+    return None
 
 
 #: Processes that one of jobrun's own threads started and reaps itself (a slow run's

@@ -334,7 +334,11 @@ ALTER TABLE jobrun.runs ADD COLUMN IF NOT EXISTS alerted_at timestamptz,
                         ADD COLUMN IF NOT EXISTS deadlocks bigint,
                         ADD COLUMN IF NOT EXISTS stdout_tail bytea,
                         ADD COLUMN IF NOT EXISTS stderr_tail bytea,
-                        ADD COLUMN IF NOT EXISTS slow_after double precision;
+                        ADD COLUMN IF NOT EXISTS slow_after double precision,
+                        ADD COLUMN IF NOT EXISTS queued_seconds double precision,
+                        ADD COLUMN IF NOT EXISTS jitter_seconds double precision,
+                        ADD COLUMN IF NOT EXISTS attempts integer,
+                        ADD COLUMN IF NOT EXISTS attempt_exit_codes integer[];
 CREATE INDEX IF NOT EXISTS runs_key_started_at ON jobrun.runs (key, started_at DESC);
 CREATE INDEX IF NOT EXISTS runs_running_lock_ids ON jobrun.runs USING gin (lock_ids)
     WHERE outcome = 'running'
@@ -741,4 +745,37 @@ RUNS_REQUIRES_UNREADABLE = """
 SELECT q.key FROM pg_catalog.unnest(%(requires)s::text[]) WITH ORDINALITY AS q (key, n)
 WHERE NOT jobrun.allowed_for(current_user, q.key, 'read')
 ORDER BY q.n
+"""
+
+
+# --- --coalesce, --jitter, --retries: the columns they add to a run's row ---------------------
+
+#: ``queued_seconds``: how long a ``--coalesce`` run waited as the key's queued run;
+#: ``jitter_seconds``: the ``--jitter`` delay slept before the lock was tried;
+#: ``attempts`` and ``attempt_exit_codes``: a ``--retries`` run's attempts, each one's exit
+#: status in order (the run's own ``exit_code`` is the last one's). NULL in a run that used
+#: none of these options: only such runs send RUNS_NOTE, in their end row's message.
+RUNS_NOTED_COLUMNS = ("queued_seconds", "jitter_seconds", "attempts", "attempt_exit_codes")
+
+
+def runs_note(columns: tuple[str, ...]) -> str:
+    """The UPDATE that writes ``columns`` (of RUNS_NOTED_COLUMNS) into the run's row.
+
+    Their values are bound as ``note_<column>``; a name not in RUNS_NOTED_COLUMNS is refused.
+    """
+    unknown = set(columns) - set(RUNS_NOTED_COLUMNS)
+    if unknown:
+        raise ValueError(f"not a noted column: {sorted(unknown)}")
+    sets = ", ".join(f"{column} = %(note_{column})s" for column in columns)
+    return f"UPDATE jobrun.runs SET {sets} WHERE run_id = %(run_id)s"
+
+
+#: ``jobrun history KEY``: RUNS_OF_KEY with the noted columns (a history from before them:
+#: RUNS_OF_KEY alone, jobrun.ops.status.runs). Joined by the primary key, whatever
+#: RUNS_OF_KEY selects.
+RUNS_OF_KEY_NOTED = f"""
+SELECT r.*, {", ".join(f"n.{column}" for column in RUNS_NOTED_COLUMNS)}
+FROM ({RUNS_OF_KEY.strip()}) AS r
+JOIN jobrun.runs AS n ON n.run_id = r.run_id
+ORDER BY r.started_at DESC
 """

@@ -19,6 +19,8 @@ READER_RUN_COLUMNS = (
     "run_id, key, lock_ids, mode, host, pid, child_pid, program, started_at, finished_at, "
     "outcome, reason, exit_code, signal, duration, streak, streak_since, holder_ref, holder, "
     "alerted_at, deadlocks, slow_after"
+    # and those of sql.history.RUNS_NOTED_COLUMNS
+    ", queued_seconds, jitter_seconds, attempts, attempt_exit_codes"
 )
 
 #: Who may do what: one row per (role, kind, pattern). Written only by the owner (no
@@ -75,8 +77,9 @@ _CAT = "OPERATOR(pg_catalog.||)"
 #: takes the key past it: such a lock guards no run of the key).
 #: ``lock_id(name)``: keys.lock_id_for in SQL (the first 8 bytes of SHA-256, signed).
 #: ``ids_fit(label, ids)``: every id is the lock id of a key of the label, of one of its
-#: slots (--slots), or the id a ``lock-id:N`` part names: a row can only ever claim its own
-#: key's locks. ``stamp_requester``: who asked is the database's word, never the client's.
+#: slots (--slots), of its queue slot (--coalesce), or the id a ``lock-id:N`` part names:
+#: a row can only ever claim its own key's locks. ``stamp_requester``: who asked is the
+#: database's word, never the client's.
 #: SECURITY INVOKER all: each sees what its caller sees.
 FUNCTIONS = f"""
 CREATE OR REPLACE FUNCTION jobrun.allowed_for(who name, label text, need text) RETURNS boolean
@@ -158,6 +161,7 @@ SELECT NOT EXISTS (
                         OR EXISTS (SELECT 1 FROM pg_catalog.generate_series(0, 255) AS s (n)
                                    WHERE jobrun.lock_id(k.key {_CAT} E'\\nslot '
                                                         {_CAT} s.n::pg_catalog.text) {_EQ} i.id)
+                        OR jobrun.lock_id(k.key {_CAT} E'\\nqueue') {_EQ} i.id
               END))
 $$;
 CREATE OR REPLACE FUNCTION jobrun.stamp_requester() RETURNS trigger

@@ -122,6 +122,7 @@ def history_table(runs: Iterable[dict[str, Any]]) -> str:
             note = (
                 f"{note}, ran on {holder['previous_host']} at {holder.get('previous_started_at')}"
             )
+        note = ", ".join(filter(None, [note, *_noted(run)]))
         lines.append(
             (
                 _when(run["started_at"]),
@@ -136,6 +137,19 @@ def history_table(runs: Iterable[dict[str, Any]]) -> str:
             )
         )
     return _align(lines)
+
+
+def _noted(run: dict[str, Any]) -> list[str]:
+    """--coalesce, --jitter, --retries: what the run's noted columns say (none: nothing)."""
+    found = []
+    if run.get("attempts"):
+        codes = ",".join(str(code) for code in run.get("attempt_exit_codes") or [])
+        found.append(f"{run['attempts']} attempts ({codes})")
+    if run.get("queued_seconds") is not None:
+        found.append(f"queued {_duration(run['queued_seconds'])}")
+    if run.get("jitter_seconds") is not None:
+        found.append(f"jitter {_duration(run['jitter_seconds'])}")
+    return found
 
 
 def overlap_table(pairs: Iterable[dict[str, Any]]) -> str:

@@ -25,12 +25,22 @@ def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]]
     the row itself says. Found in the same message: no round trip of its own.
     """
     params = {"key": label, "limit": limit, "all": False, "keys": [label]}
+    from jobrun.sql.history import RUNS_OF_KEY_NOTED  # noqa: PLC0415 - its own block
+
+    # With --coalesce's, --jitter's and --retries' columns; a history from before them
+    # (or a reader not granted them: jobrun init not run again) reads without them.
     try:
-        rows, _, dead = read_many(
-            conn,
-            [sql.RUNS_OF_KEY, status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED],
-            params,
-        )
+        for runs_of_key in (RUNS_OF_KEY_NOTED, sql.RUNS_OF_KEY):
+            try:
+                rows, _, dead = read_many(
+                    conn,
+                    [runs_of_key, status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED],
+                    params,
+                )
+                break
+            except (errors.UndefinedColumn, errors.InsufficientPrivilege):
+                if runs_of_key is sql.RUNS_OF_KEY:
+                    raise
     except errors.UndefinedTable:
         return None
     abandoned = {str(run["run_id"]) for run in dead}
