@@ -110,6 +110,8 @@ class Recorder:
         ``already_ran``. Raises LockStoreUnavailable (``history_unavailable``) when
         ``once_per`` is given and the history cannot be read and written: whether this
         window already had its run is then unknown, and the promise is to fail closed.
+        Raises SchemaTooNew (``schema_too_new``, whatever ``once_per``) where a newer
+        jobrun upgraded the schema past what this one may write.
         """
         # The pause and the expectation ride in the same message: no extra round trip.
         result = self._calls.run(
@@ -131,6 +133,8 @@ class Recorder:
                 sql.RUNS_SKIPS_RECOVERED,
                 sql.NO_ROWS,
             ),
+            # The run's first write: a schema this jobrun may not write stops it here.
+            refuse_newer=True,
         )
         if result is None:
             if once_per is not None:

@@ -172,8 +172,8 @@ class _GuardedRun:
         job = self.job
         try:
             earlier = self.history.acquired(job.once_per)
-        except LockStoreUnavailable as exc:  # --once-per cannot be checked
-            anyway = job.on_db_error == "run"
+        except LockStoreUnavailable as exc:  # --once-per cannot be checked, a newer schema
+            anyway = job.on_db_error == "run" and not exc.fails_closed
             self._unavailable(
                 exc, ends_run=not anyway, running_unguarded=False, running_unchecked=anyway
             )

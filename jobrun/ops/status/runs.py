@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from psycopg import errors
-
 from jobrun import sql
+from jobrun.history import schema
 from jobrun.history.config import iso
-from jobrun.ops.status.collect import read_many, read_rows, rounded_seconds
+from jobrun.ops.status.collect import read_many, rounded_seconds
 from jobrun.sql import status as status_sql
 
 if TYPE_CHECKING:
@@ -25,14 +24,18 @@ def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]]
     the row itself says. Found in the same message: no round trip of its own.
     """
     params = {"key": label, "limit": limit, "all": False, "keys": [label]}
-    try:
-        rows, _, dead = read_many(
+    found = schema.readable(
+        conn,
+        lambda check: read_many(
             conn,
             [sql.RUNS_OF_KEY, status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED],
             params,
-        )
-    except errors.UndefinedTable:
+            check=check,
+        ),
+    )
+    if found is None:
         return None
+    rows, _, dead = found
     abandoned = {str(run["run_id"]) for run in dead}
     for run in rows:
         if str(run["run_id"]) in abandoned:
@@ -57,10 +60,12 @@ def overlapping(
     outcome and deadlocks, and how many seconds they overlapped. None: no history table.
     """
     params = {"key": label, "other": other, "since": since, "limit": limit}
-    try:
-        rows = read_rows(conn, sql.RUNS_OVERLAPPING, params)
-    except errors.UndefinedTable:
+    found = schema.readable(
+        conn, lambda check: read_many(conn, [sql.RUNS_OVERLAPPING], params, check=check)
+    )
+    if found is None:
         return None
+    [rows] = found
     for pair in rows:
         for side in ("", "other_"):
             pair[f"{side}run_id"] = str(pair[f"{side}run_id"])
