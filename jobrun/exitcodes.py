@@ -49,7 +49,9 @@ TABLE: tuple[tuple[str, str], ...] = (
             "where sslmode asks for it, `require` over a network unless set; never run "
             "unguarded), `not_granted` (after `jobrun "
             "init`, the role was not granted the key; never run unguarded), `standby`, "
-            "`transaction_pooler`, `history_unavailable` (`--once-per`)"
+            "`transaction_pooler`, `history_unavailable` (`--once-per`), `schema_too_new` "
+            "(a newer jobrun upgraded the schema past what this one may write; never run "
+            "unguarded)"
         ),
     ),
     (

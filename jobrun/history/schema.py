@@ -116,15 +116,21 @@ def guarded(
     *,
     writes: bool = True,
     timeout_ms: int = 5000,
+    anyway: bool = False,
 ) -> T:
     """``attempt(check)``, whose message starts with ``check``; the schema made if needed.
 
     Where the check says the database lacks steps, ``ensure`` runs them and ``attempt`` is
-    sent again, without the check. SCHEMA_AHEAD is SchemaTooNew. WARNING: ``attempt`` must
-    send ``check`` first in the same message (bound on the client: one implicit
-    transaction), so that nothing after it runs on a schema it does not know.
+    sent again, without the check. SCHEMA_AHEAD is SchemaTooNew. ``anyway``: where this
+    role may not run the steps (another role owns the tables), ``attempt`` is sent all the
+    same (the lock: its table is in every version; the history then says why it failed).
+    WARNING: ``attempt`` must send ``check`` first in the same message (bound on the
+    client: one implicit transaction), so that nothing after it runs on a schema it does
+    not know.
     """
-    found = _guarded(conn, attempt, writes=writes, create=True, timeout_ms=timeout_ms)
+    found = _guarded(
+        conn, attempt, writes=writes, create=True, timeout_ms=timeout_ms, anyway=anyway
+    )
     assert found is not None  # noqa: S101 - create=True: never None
     return found[0]
 
@@ -149,6 +155,7 @@ def _guarded(
     writes: bool,
     create: bool,
     timeout_ms: int,
+    anyway: bool = False,
 ) -> tuple[T] | None:
     check = prefix(conn, writes=writes)
     try:
@@ -161,7 +168,13 @@ def _guarded(
             raise
         if not create and absent(exc):
             return None
-        ensure(conn, timeout_ms=timeout_ms, writes=writes)
+        try:
+            ensure(conn, timeout_ms=timeout_ms, writes=writes)
+        except SchemaTooNew:
+            raise
+        except psycopg.Error:
+            if not anyway:
+                raise
         return (attempt(()),)
     if check:
         passed(conn, writes=writes)

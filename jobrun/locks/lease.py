@@ -236,8 +236,9 @@ class LeaseLock:
             return self._insert_refused(conn, check)
 
         # The connection's first statement carries the schema's version check (one
-        # message); where the schema lacks steps (a first run) they are run, and sent again.
-        taken = schema.guarded(conn, attempt)
+        # message); where the schema lacks steps (a first run) they are run, and sent again
+        # (anyway: a role that may not run them still takes its lease, as before).
+        taken = schema.guarded(conn, attempt, anyway=True)
         if isinstance(taken, Holder):
             return taken
         if taken:

@@ -116,4 +116,4 @@ def _next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> 
         *_, rows = schema.results(conn, prefix + ";\n".join((*check, sql.FENCE_NEXT)))
         return int(str(rows[0][0]))
 
-    return schema.guarded(conn, attempt)
+    return schema.guarded(conn, attempt, anyway=True)  # a sequence made before, if any
