@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -17,6 +18,23 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 JOBRUN = (sys.executable, "-m", "jobrun")
+
+#: How long a test waits for a process it started to reach a step before it calls it hung.
+#: Not a timing claim (those live in benchmarks, or are derived from the run's own
+#: timeouts): two cores at load 10 take more than 20 s to start Python and connect.
+HANG_GUARD = 60.0
+
+
+@functools.cache
+def start_allowance() -> float:
+    """Seconds a jobrun process may take to start and import here: 10x a measured start, >= 5.
+
+    For bounds built from a run's own deadlines (connect, history timeout), which begin only
+    once the process is up: measured on this machine, at the load it has now.
+    """
+    started = time.monotonic()
+    subprocess.run([*JOBRUN, "--version"], capture_output=True, check=False, timeout=HANG_GUARD)
+    return max(5.0, 10 * (time.monotonic() - started))
 
 
 def environment(dsn: str | None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -79,7 +97,7 @@ def event(stderr: str, name: str) -> dict[str, Any]:
 
 
 def wait_until(
-    condition: Callable[[], bool], *, timeout: float = 20.0, what: str = "condition"
+    condition: Callable[[], bool], *, timeout: float = HANG_GUARD, what: str = "condition"
 ) -> None:
     """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -91,7 +109,7 @@ def wait_until(
 
 
 def wait_for_file(
-    path: Path, *, timeout: float = 20.0, proc: subprocess.Popen[str] | None = None
+    path: Path, *, timeout: float = HANG_GUARD, proc: subprocess.Popen[str] | None = None
 ) -> str:
     """Wait for ``path`` to exist with a complete first line; return its content.
 

@@ -193,3 +193,23 @@ def names(keys: tuple[Key, ...]) -> list[str]:
     The run's label, and each key's own: a pause of one key holds every run that takes it.
     """
     return list(dict.fromkeys([describe(keys), *(key.label for key in keys)]))
+
+
+_LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
+
+
+def lock_ids_of(label: str) -> list[int]:
+    """The lock ids of a key label the history does not know.
+
+    Each comma-separated part (a multi-key run's label) is ``lock-id:N`` or a key name (key
+    names cannot contain commas).
+    """
+    return [lock_id_of(part) for part in label.split(",")]
+
+
+def lock_id_of(part: str) -> int:
+    """The lock id of one key: ``lock-id:N`` or a key name."""
+    match = _LOCK_ID_LABEL.fullmatch(part)
+    if match:
+        return int(match.group(1))
+    return lock_id_for(part)

@@ -117,5 +117,5 @@ class TestSuggestion:
             "  suggested fix (advisory locks in opposite order): take advisory locks in "
             "ascending key order in every job (1, then 2)"
         ) in text.splitlines(), text
-        fix = found.as_json()["deadlocks"][0]["suggested_fix"]
+        fix = deadlocks.json_of(found)["deadlocks"][0]["suggested_fix"]
         assert fix["shape"] == "advisory locks in opposite order"

@@ -21,7 +21,9 @@ OFFLINE = (
 )  # fmt: skip
 INSTALL_TIMEOUT = 600
 
-pytestmark = pytest.mark.slow
+#: Each recipe runs a few commands, each bounded by INSTALL_TIMEOUT; pytest's own 120 s
+#: would cut a pip install short on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * INSTALL_TIMEOUT)]
 
 
 def recipe(name: str) -> list[str]:

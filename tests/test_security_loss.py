@@ -17,7 +17,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from harness import jobrun_cli
-from harness.jobrun_cli import event, events, wait_for_file, wait_until
+from harness.jobrun_cli import event, events, start_allowance, wait_for_file, wait_until
 from harness.pgserver import PgServer
 from harness.pgtools import RunAs, make_private_dir
 from jobrun.history.config import CALL_TIMEOUT
@@ -39,6 +39,8 @@ LEASE = LeaseTiming.from_options(ttl=3.0, kill_after=1.0, heartbeat=HEARTBEAT)
 CONNECT_TIMEOUT = 5.0
 #: The history's timeout at the start of a run (session mode; lease mode's is no longer).
 HISTORY_TIMEOUT = CALL_TIMEOUT
+#: What a run may spend before its child starts, once its process is up.
+START_DEADLINES = CONNECT_TIMEOUT + HISTORY_TIMEOUT
 #: What jobrun locked to create its schema before its own locks left the keys' space.
 OLD_SCHEMA_LOCK_ID = -1544725646478961277
 
@@ -157,7 +159,7 @@ class TestLockedSideTables:
         marker, release = tmp_path / "child", tmp_path / "release"
         with _table_locked(dsn, table):
             proc = _run(mode, key, dsn, _until_released(marker, release))
-            wait_for_file(marker, proc=proc, timeout=CONNECT_TIMEOUT + HISTORY_TIMEOUT)
+            wait_for_file(marker, proc=proc, timeout=START_DEADLINES + start_allowance())
         stderr = _finish(proc, release)
         assert proc.returncode == 0, stderr
 
@@ -170,7 +172,7 @@ class TestLockedSideTables:
         marker, release = tmp_path / "child", tmp_path / "release"
         with _table_locked(dsn, "stop_requests"):
             proc = _run(mode, key, dsn, _until_released(marker, release), "--fence")
-            wait_for_file(marker, proc=proc, timeout=CONNECT_TIMEOUT + HISTORY_TIMEOUT)
+            wait_for_file(marker, proc=proc, timeout=START_DEADLINES + start_allowance())
         stderr = _finish(proc, release)
         assert proc.returncode == 0, stderr
         assert event(stderr, "fence_taken")

@@ -22,7 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TABLE = Path(__file__).resolve().parent.parent / "jobrun" / "deadlocks" / "catalog.py"
+from jobrun.analysis.deadlocks.language import CONTEXTS, LOCK_TAGS, LOCK_WAITS
+
+TABLE = Path(__file__).resolve().parent.parent / "jobrun" / "analysis" / "deadlocks" / "catalog.py"
 ROOTS = [Path("/usr/share/locale")]
 
 #: The messages read, as PostgreSQL's source spells them (the msgid). A plural message is
@@ -48,35 +50,12 @@ MSGIDS = (
     "deadlock detected",
     "Process %d waits for %s on %s; blocked by process %d.",
     "Process %d: %s",
-    # Lock waits (proc.c, log_lock_waits); their DETAIL is not translated.
-    "process %d still waiting for %s on %s after %ld.%03d ms",
-    "process %d detected deadlock while waiting for %s on %s after %ld.%03d ms",
-    "process %d acquired %s on %s after %ld.%03d ms",
-    "process %d avoided deadlock for %s on %s by rearranging queue order after %ld.%03d ms",
-    # What a lock is on (lmgr.c DescribeLockTag).
-    "relation %u of database %u",
-    "extension of relation %u of database %u",
-    "pg_database.datfrozenxid of database %u",
-    "page %u of relation %u of database %u",
-    "tuple (%u,%u) of relation %u of database %u",
-    "transaction %u",
-    "virtual transaction %d/%u",
-    "speculative token %u of transaction %u",
-    "object %u of class %u of database %u",
-    "user lock [%u,%u,%u]",
-    "advisory lock [%u,%u,%u,%u]",
-    "remote transaction %u of subscription %u of database %u",
-    "unrecognized locktag type %d",
-    # CONTEXT of a row lock wait (lmgr.c XactLockTableWaitErrorCb) and of an SPI query.
-    'while updating tuple (%u,%u) in relation "%s"',
-    'while deleting tuple (%u,%u) in relation "%s"',
-    'while locking tuple (%u,%u) in relation "%s"',
-    'while locking updated version (%u,%u) of tuple in relation "%s"',
-    'while inserting index tuple (%u,%u) in relation "%s"',
-    'while checking uniqueness of tuple (%u,%u) in relation "%s"',
-    'while rechecking updated tuple (%u,%u) in relation "%s"',
-    'while checking exclusion constraint on tuple (%u,%u) in relation "%s"',
-    'SQL statement "%s"',
+    # Lock waits (proc.c, log_lock_waits; their DETAIL is not translated), what a lock is on
+    # (lmgr.c DescribeLockTag) and the CONTEXT of a row lock wait or an SPI query: the
+    # reader's own lists, so the table holds exactly what it looks for.
+    *LOCK_WAITS.values(),
+    *LOCK_TAGS,
+    *CONTEXTS,
     # log_connections' line, which names a session, and what stands for a name not yet known.
     "connection authorized: user=%s",
     " database=%s",

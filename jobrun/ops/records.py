@@ -12,6 +12,7 @@ from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
 from jobrun.history import schema
+from jobrun.locks.holders import candidate_ids, holder_among, holder_of
 from jobrun.ops import control
 from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
@@ -99,7 +100,7 @@ def ever_recorded(conn: Connection, label: str) -> bool:
             break
         if found[0] and found[0][0][0]:
             return True
-    return control.holder_of(conn, label) is not None
+    return holder_of(conn, label) is not None
 
 
 def _read(
@@ -115,7 +116,7 @@ def _read(
 
 
 def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool | None]:
-    """The run holding ``label`` now (see control.holder_of); NeverRecorded for a typo.
+    """The run holding ``label`` now (see locks.holders.holder_of); NeverRecorded for a typo.
 
     And whether ``jobrun init`` made the run-label function (None: not asked), so that
     ``control.verify_run`` need not try it in vain. One message where every table is there
@@ -125,7 +126,7 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
     ``require_recorded`` and ``holder_of`` send them (a missing table or grant costs only
     its own part).
     """
-    params = {"key": label, "need": "control", "lock_ids": control.candidate_ids(label)}
+    params = {"key": label, "need": "control", "lock_ids": candidate_ids(label)}
     try:
         found = _read(
             conn,
@@ -142,11 +143,11 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
         found = None
     if found is None:
         require_recorded(conn, label, need="control")
-        return control.holder_of(conn, label), None
+        return holder_of(conn, label), None
     *_, granted, recorded, _, _, lease, session, labelled = found
     _refuse_unless_granted(granted, label, "control")
     initialised = bool(labelled and labelled[0][0])
-    holder = control.holder_among(label, _first(lease), _first(session), initialised=initialised)
+    holder = holder_among(label, _first(lease), _first(session), initialised=initialised)
     if holder is None and not (recorded and recorded[0][0]):
         raise NeverRecorded(label)
     return holder, initialised
@@ -173,7 +174,7 @@ def resume_if_recorded(conn: Connection, label: str) -> bool:
         return control.resume(conn, label)
     *_, granted, recorded, resumed = found
     _refuse_unless_granted(granted, label, "control")
-    if not (recorded and recorded[0][0]) and control.holder_of(conn, label) is None:
+    if not (recorded and recorded[0][0]) and holder_of(conn, label) is None:
         raise NeverRecorded(label)
     return bool(resumed)
 
@@ -208,7 +209,7 @@ def require_recorded(
     else:
         *_, granted, recorded = found
         _refuse_unless_granted(granted, label, need)
-        known = bool(recorded and recorded[0][0]) or control.holder_of(conn, label) is not None
+        known = bool(recorded and recorded[0][0]) or holder_of(conn, label) is not None
     if not known:
         raise NeverRecorded(label, hint)
 
@@ -261,7 +262,7 @@ def forget(conn: Connection, label: str) -> Forgotten:
     live: the key is not retired. The key's lock ids are held (transaction-scoped) until
     the commit, so no run of it can start halfway.
     """
-    lock_ids = control.candidate_ids(label)
+    lock_ids = candidate_ids(label)
     params = {"key": label, "lock_ids": lock_ids}
 
     def attempt(check: tuple[str, ...]) -> Forgotten:

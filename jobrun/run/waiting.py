@@ -74,11 +74,11 @@ class WaitReporter:
     def _holder(self) -> dict[str, object]:
         """``holder_*`` fields of whoever holds the key now (empty when it cannot be told)."""
         from jobrun import db  # noqa: PLC0415 - only a run that waits needs them
-        from jobrun.ops import control  # noqa: PLC0415
+        from jobrun.locks.holders import holder_of  # noqa: PLC0415
 
         try:
             with db.connect(self._target, app_name="jobrun-wait") as conn:
-                holder = control.holder_of(conn, self._label)
+                holder = holder_of(conn, self._label)
         except Exception as exc:  # noqa: BLE001 - a report never costs the run anything
             self._log.debug("wait_holder_unknown", error=db.one_line(exc, self._target))
             return {}

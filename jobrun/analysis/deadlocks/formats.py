@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from jobrun.analysis.deadlocks import envelopes, records
+from jobrun.analysis.deadlocks import envelopes, structured
 from jobrun.analysis.deadlocks.language import (
     SEVERITY_WORDS,
     TRANSLATED_WORDS,
@@ -110,9 +110,9 @@ def read_entries(stream: Iterable[str], source: str, prefix: str | None) -> Read
         return _json(envelopes.json_records(lines, array=True), source, prefix)
     if start.startswith("{"):
         return _json(envelopes.json_records(lines, array=False), source, prefix)
-    if records.looks_like_csv(first):
+    if structured.looks_like_csv(first):
         reading = Reading("csv")
-        reading.entries = records.csv_entries(lines, source, on_cut=reading.count_cut)
+        reading.entries = structured.csv_entries(lines, source, on_cut=reading.count_cut)
         return reading
     sniffed = _head(lines, SNIFF_LINES)
     envelope = envelopes.sniff_envelope(sniffed)
@@ -132,9 +132,9 @@ def _json(
     # The records before the first of a known shape are not kept: both readers skip them.
     for number, record in itertools.islice(found, SNIFF_RECORDS):
         rest = itertools.chain([(number, record)], found)
-        shape = records.json_shape(record)
+        shape = structured.json_shape(record)
         if shape is not None:
-            return Reading(shape, records.json_entries(rest, source))
+            return Reading(shape, structured.json_entries(rest, source))
         if envelopes.cloud_text(record) is not None:
             lines = envelopes.cloud_lines(rest)
             return _stderr("exported-json", lines, source, prefix, pid_known=False)

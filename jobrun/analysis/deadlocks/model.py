@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from jobrun.analysis.deadlocks.sessions import Session
+    import datetime as dt
 
 #: jobrun names the sessions of a job it runs ``jobrun:<key>`` (PGAPPNAME).
 JOB_PREFIX = "jobrun:"
@@ -93,7 +93,6 @@ class Deadlock:
             "context": self.context,
             "statement": self.statement,
             "also_in": self.also_in,
-            "suggested_fix": _suggested(self),
         }
 
 
@@ -165,6 +164,31 @@ class Storm:
         }
 
 
+@dataclass(slots=True)
+class Session:
+    """One server session: who (application, user, database, host) and from when to when."""
+
+    pid: int
+    start: dt.datetime
+    #: None: still open when the log ends (or its disconnection was not logged).
+    end: dt.datetime | None = None
+    application: str | None = None
+    user: str | None = None
+    database: str | None = None
+    host: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The application, or ``[no application_name] user@database``."""
+        if self.application:
+            return self.application
+        return f"[no application_name] {self.user or '?'}@{self.database or '?'}"
+
+    def open_at(self, when: dt.datetime) -> bool:
+        """Connected at ``when``."""
+        return self.start <= when and (self.end is None or when <= self.end)
+
+
 @dataclass
 class Found:
     """What the logs held: the deadlocks, and per file its format and lines read."""
@@ -187,13 +211,6 @@ class Found:
             "files": [read.as_json() for read in self.files],
             "storms": [storm.as_json() for storm in self.storms],
         }
-
-
-def _suggested(deadlock: Deadlock) -> dict[str, Any] | None:
-    from jobrun.analysis.deadlocks.advice import suggest  # noqa: PLC0415 - advice reads this module
-
-    found = suggest(deadlock)
-    return found.as_json() if found else None
 
 
 def parse_detail(detail: str) -> list[Side]:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jobrun.analysis.deadlocks import together
 from jobrun.analysis.deadlocks.advice import suggest
@@ -50,7 +50,7 @@ def run(
     )
     try:
         if as_json:
-            fields = found.as_json()
+            fields = json_of(found)
             if there is not None:
                 fields["sessions"] = there.as_json()
             echo(json.dumps(fields, indent=2))
@@ -76,6 +76,15 @@ def describe(side: Side) -> str:
     job = f", job {side.job}" if side.job else ""
     source = "" if side.named_by == "this line" else f", named on {side.named_by}"
     return _printable(f"process {side.pid} ({side.application}{job}{source})")
+
+
+def json_of(found: Found) -> dict[str, Any]:
+    """The whole result for ``--json``: the model's fields, each deadlock with its fix."""
+    fields = found.as_json()
+    for entry, deadlock in zip(fields["deadlocks"], found.deadlocks, strict=True):
+        suggestion = suggest(deadlock)
+        entry["suggested_fix"] = suggestion.as_json() if suggestion else None
+    return fields
 
 
 def report(found: Found, there: together.Together | None = None) -> str:

@@ -255,15 +255,7 @@ class _Scanner:
             if deadlock is not None and not deadlock.detailed:
                 self._fill(deadlock, sides, entry)
                 return
-            deadlock = Deadlock(
-                source=self.source,
-                line=entry.line,
-                time=entry.time,
-                user=entry.user,
-                db=entry.db,
-                victim=entry.pid,
-                sides=[],
-            )
+            deadlock = self._bare(entry)
             self._fill(deadlock, sides, entry)
             self._add(deadlock)
         elif deadlock is not None and key == "context" and deadlock.context is None:
@@ -280,8 +272,11 @@ class _Scanner:
                 side.application = app
                 side.named_by = f"line {line}"
 
-    def _deadlock(self, entry: Entry) -> Deadlock:
-        deadlock = Deadlock(
+    def _bare(
+        self, entry: Entry, *, context: str | None = None, statement: str | None = None
+    ) -> Deadlock:
+        """The deadlock ``entry`` reports: where, when, who, the victim; no sides yet."""
+        return Deadlock(
             source=self.source,
             line=entry.line,
             time=entry.time,
@@ -289,8 +284,16 @@ class _Scanner:
             db=entry.db,
             victim=entry.pid,
             sides=[],
-            context=language.context(entry.extra["context"]) if "context" in entry.extra else None,
-            statement=entry.extra.get("statement"),
+            context=context,
+            statement=statement,
+        )
+
+    def _deadlock(self, entry: Entry) -> Deadlock:
+        extra = entry.extra
+        deadlock = self._bare(
+            entry,
+            context=language.context(extra["context"]) if "context" in extra else None,
+            statement=extra.get("statement"),
         )
         sides = parse_detail(language.detail(entry.extra.get("detail", "")))
         self._fill(deadlock, sides, entry)

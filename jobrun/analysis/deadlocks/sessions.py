@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from jobrun.analysis.deadlocks.model import Session
 from jobrun.analysis.deadlocks.storms import moment
 
 if TYPE_CHECKING:
@@ -37,31 +38,6 @@ _EPOCH = dt.datetime(1970, 1, 1)  # noqa: DTZ001 - the log's own zone
 def _shared(text: str | None) -> str | None:
     """One copy of a name repeated on thousands of lines (application, user, host)."""
     return sys.intern(text) if text is not None else None
-
-
-@dataclass(slots=True)
-class Session:
-    """One server session: who (application, user, database, host) and from when to when."""
-
-    pid: int
-    start: dt.datetime
-    #: None: still open when the log ends (or its disconnection was not logged).
-    end: dt.datetime | None = None
-    application: str | None = None
-    user: str | None = None
-    database: str | None = None
-    host: str | None = None
-
-    @property
-    def label(self) -> str:
-        """The application, or ``[no application_name] user@database``."""
-        if self.application:
-            return self.application
-        return f"[no application_name] {self.user or '?'}@{self.database or '?'}"
-
-    def open_at(self, when: dt.datetime) -> bool:
-        """Connected at ``when``."""
-        return self.start <= when and (self.end is None or when <= self.end)
 
 
 @dataclass(frozen=True, slots=True)

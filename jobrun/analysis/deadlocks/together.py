@@ -16,9 +16,8 @@ from jobrun.escape import printable
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jobrun.analysis.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.model import Deadlock, Session
     from jobrun.analysis.deadlocks.schedulers import Run
-    from jobrun.analysis.deadlocks.sessions import Session
 
 #: Pairs shown in the report (``--json`` has them all).
 PAIRS_SHOWN = 20

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from jobrun.analysis.overlap.model import Lock, Wait
-    from jobrun.analysis.overlap.report import Report
 
 #: Characters of one key value kept (a text key can be long).
 VALUE_CHARS = 60
@@ -183,16 +182,6 @@ def advise(cycle: Sequence[Wait], facts: Facts) -> Advice:
     else:
         shape, fix = "locks in opposite order", _ANY_ORDER
     return Advice(shape, tuple(_steps(cycle, facts)), fix, tuple(evidence), len(cycle))
-
-
-def lines(report: Report) -> list[str]:
-    """The advice of the report's most common cycle, for the human report."""
-    cycles = report.cycles()
-    if not cycles:
-        return []
-    numbers = cycles[0][0]
-    attempt = next(a for a in report.attempts if a.number == numbers[0])
-    return attempt.advice.lines() if attempt.advice is not None else []
 
 
 def _inserts(wait: Wait) -> bool:

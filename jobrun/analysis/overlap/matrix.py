@@ -8,7 +8,6 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jobrun.analysis.overlap import advice
 from jobrun.analysis.overlap.render import COMMAND_CHARS
 from jobrun.analysis.overlap.run import run
 from jobrun.escape import printable
@@ -145,7 +144,7 @@ def text(matrix: Matrix) -> str:
         cycles = report.cycles()
         if cycles:
             lines += [f"  {wait.describe()}" for wait in cycles[0][1]]
-        lines += [f"  {line}" for line in advice.lines(report)]
+        lines += [f"  {line}" for line in report.advice_lines()]
     deadlocked = sum(pair.outcome == DEADLOCKED for pair in matrix.pairs)
     lines.append(
         f"deadlock in {deadlocked} of {len(matrix.pairs)} pairs"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
-from jobrun.analysis.overlap import advice
 from jobrun.escape import printable
 
 if TYPE_CHECKING:
@@ -54,7 +53,7 @@ def text(report: Report) -> str:
         if report.count(outcome)
     ]
     lines += _cycle_lines(report)
-    lines += advice.lines(report)
+    lines += report.advice_lines()
     lines += _error_lines(report)
     lines += [f"note: {note}" for note in report.notes()]
     if report.exit_status:

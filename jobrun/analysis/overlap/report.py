@@ -197,6 +197,15 @@ class Report:
                 found.setdefault(signature, ([], attempt.cycle))[0].append(attempt.number)
         return sorted(found.values(), key=lambda seen: (-len(seen[0]), seen[0][0]))
 
+    def advice_lines(self) -> list[str]:
+        """The advice of the most common cycle, for the human report."""
+        cycles = self.cycles()
+        if not cycles:
+            return []
+        numbers = cycles[0][0]
+        attempt = next(a for a in self.attempts if a.number == numbers[0])
+        return attempt.advice.lines() if attempt.advice is not None else []
+
     def advice_of(self, number: int) -> dict[str, Any] | None:
         """The advice (as JSON) of attempt ``number``'s cycle."""
         attempt = next(a for a in self.attempts if a.number == number)

@@ -22,9 +22,8 @@ from jobrun.db.connecting import application_name
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
-    from jobrun.analysis.deadlocks.model import Deadlock
+    from jobrun.analysis.deadlocks.model import Deadlock, Session
     from jobrun.analysis.deadlocks.schedulers import Run
-    from jobrun.analysis.deadlocks.sessions import Session
 
 #: The outcomes a bar is coloured by; anything else is drawn as ``other``.
 OUTCOMES = (

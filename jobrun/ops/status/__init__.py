@@ -12,7 +12,6 @@ from jobrun.ops.status.collect import (
     Report,
     abandoned_lines,
     collect,
-    lock_ids_of,
 )
 from jobrun.ops.status.render import history_table, overlap_table, status_table
 from jobrun.ops.status.runs import overlapping, runs_of
@@ -34,7 +33,6 @@ __all__ = [
     "check_lines",
     "collect",
     "history_table",
-    "lock_ids_of",
     "overlap_table",
     "overlapping",
     "runs_of",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,6 @@ if TYPE_CHECKING:
     Connection = psycopg.Connection[Any]
     Row = dict[str, Any]
 
-_LOCK_ID_LABEL = re.compile(r"lock-id:(-?\d+)")
 _APP_PREFIX = "jobrun:"
 #: History statements of ``status``/``history`` give up after this long.
 _STATEMENT_TIMEOUT_MS = "30000"
@@ -143,23 +141,6 @@ class Report:
     unreadable: list[str] = field(default_factory=list)
 
 
-def lock_ids_of(label: str) -> list[int]:
-    """The lock ids of a key label the history does not know.
-
-    Each comma-separated part (a multi-key run's label) is ``lock-id:N`` or a key name (key
-    names cannot contain commas).
-    """
-    return [_lock_id_of(part) for part in label.split(",")]
-
-
-def _lock_id_of(part: str) -> int:
-    """The lock id of one key: ``lock-id:N`` or a key name."""
-    match = _LOCK_ID_LABEL.fullmatch(part)
-    if match:
-        return int(match.group(1))
-    return keys.lock_id_for(part)
-
-
 def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     """Status of ``labels``, or of every key in history, leased or held by a jobrun session."""
     notes: list[str] = []
@@ -171,12 +152,12 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     rows: dict[str, KeyStatus] = {}
     for label in labels or history:
         found = history.get(label)
-        rows[label] = found if found is not None else KeyStatus(label, lock_ids_of(label))
+        rows[label] = found if found is not None else KeyStatus(label, keys.lock_ids_of(label))
     controls = _controls(reads.pauses, reads.expectations, reads.running, reads.abandoned)
     if not labels:
         _add_unknown_holders(rows, leases, advisory)
         for label in controls:
-            rows.setdefault(label, KeyStatus(label, lock_ids_of(label)))
+            rows.setdefault(label, KeyStatus(label, keys.lock_ids_of(label)))
     for label, fields in controls.items():
         if label in rows:
             for name, value in fields.items():
@@ -341,7 +322,7 @@ def _history(rows: list[Row]) -> dict[str, KeyStatus]:
         label = row["key"]
         found[label] = KeyStatus(
             key=label,
-            lock_ids=list(row["lock_ids"] or []) or lock_ids_of(label),
+            lock_ids=list(row["lock_ids"] or []) or keys.lock_ids_of(label),
             last_outcome=row["outcome"],
             last_exit_code=row["exit_code"],
             last_started_at=iso(row["started_at"]),
@@ -496,7 +477,7 @@ def _label_from_app(lock_id: int, app_name: object) -> str | None:
     # One key, or one of a comma-joined group; a trimmed name or a raw --lock-id that does
     # not match is named by its number.
     for candidate in (label, *label.split(",")):
-        if candidate and _lock_id_of(candidate) == lock_id:
+        if candidate and keys.lock_id_of(candidate) == lock_id:
             return candidate
     # A run with --slots holds a slot's lock under its key's name.
     if not label.startswith(keys.LOCK_ID_PREFIX) and lock_id in _slot_ids(label):
