@@ -30,6 +30,7 @@ from psycopg.conninfo import make_conninfo
 
 from harness.pgserver import PgServer
 from harness.pgtools import create_database, drop_database
+from jobrun.history import schema as jobrun_schema
 from jobrun.sql import tenants
 
 #: The SET-clause twin of a function: the same body, pinned instead of qualified.
@@ -60,6 +61,7 @@ def measure(dsn: str, calls: int) -> None:
     create_database(dsn, name)
     try:
         with psycopg.connect(make_conninfo(dsn, dbname=name), autocommit=True) as conn:
+            jobrun_schema.ensure(conn)  # the tables: INIT adds the protections only
             conn.execute(tenants.INIT)
             conn.execute("CREATE SCHEMA pinned")
             conn.execute("CREATE TABLE pinned.grants (LIKE jobrun.grants)")

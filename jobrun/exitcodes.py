@@ -49,9 +49,10 @@ TABLE: tuple[tuple[str, str], ...] = (
             "where sslmode asks for it, `require` over a network unless set; never run "
             "unguarded), `not_granted` (after `jobrun "
             "init`, the role was not granted the key; never run unguarded), `standby`, "
-            "`transaction_pooler`, `history_unavailable` (`--once-per`, `--requires`); "
-            "after `jobrun init`, `not_granted` also for a `--requires` key the role may "
-            "not read"
+            "`transaction_pooler`, `history_unavailable` (`--once-per`, `--requires`), "
+            "`schema_too_new` (a newer jobrun upgraded the schema past what this one may "
+            "write; never run unguarded); after `jobrun init`, `not_granted` also for a "
+            "`--requires` key the role may not read"
         ),
     ),
     (
@@ -132,6 +133,10 @@ TLS = "tls"
 #: After ``jobrun init``, the role was not granted the key: the database said no, which is
 #: no outage either.
 NOT_GRANTED = "not_granted"
+#: A newer jobrun upgraded the schema past what this one may write: no outage either (the
+#: database answered), and writing anyway could record rows the newer schema means
+#: otherwise.
+SCHEMA_TOO_NEW = "schema_too_new"
 
 
 class LockStoreUnavailable(JobrunError):
@@ -151,7 +156,7 @@ class LockStoreUnavailable(JobrunError):
         WARNING: whoever can stand between us and the server (a spoofed address, a proxy
         with the wrong certificate) could otherwise have every job run unguarded at will.
         """
-        return self.reason in {TLS, NOT_GRANTED}
+        return self.reason in {TLS, NOT_GRANTED, SCHEMA_TOO_NEW}
 
 
 def not_granted(role: str, label: str) -> LockStoreUnavailable:

@@ -16,7 +16,7 @@ from psycopg.conninfo import make_conninfo
 from harness import jobrun_cli
 from jobrun.cli.ops import doctor_command
 from jobrun.exitcodes import LockStoreUnavailable
-from jobrun.history.calls import ensure_schema
+from jobrun.history.schema import ensure as ensure_schema
 from jobrun.ops.doctor.capacity import LOCK_TABLE_FAIL, LOCK_TABLE_WARN
 
 if TYPE_CHECKING:

@@ -16,9 +16,10 @@ import structlog
 
 from harness.memory import MemoryLock, MemoryStore
 from harness.pgtools import terminate_backend
-from jobrun import db, keys, sql
+from jobrun import db, keys
 from jobrun.db.server_session import ServerSession
 from jobrun.exitcodes import LockLost, LockStoreUnavailable
+from jobrun.history import schema
 from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id, slots
 from jobrun.locks.lease import LeaseLock
 from jobrun.locks.session import SessionLock, holder_comment
@@ -222,9 +223,8 @@ class TestStopRequest:
         """No request: None; one written for the run's id and key: every check returns it."""
         if not isinstance(locks, ServerLocks):
             pytest.skip("no jobrun stop request reaches a memory lock")
-        with psycopg.connect(locks.dsn, autocommit=True) as conn, conn.transaction():
-            conn.execute(sql.SCHEMA_XACT_LOCK)
-            conn.execute(sql.CONTROL_SCHEMA)
+        with psycopg.connect(locks.dsn, autocommit=True) as conn:
+            schema.ensure(conn)
         lock, who = locks.make(names[0])
         assert isinstance(lock.acquire(0), Taken)
         assert lock.check() is None

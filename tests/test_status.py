@@ -25,7 +25,8 @@ from jobrun.cli.ops import (
     status_command,
 )
 from jobrun.exitcodes import Exit, LockStoreUnavailable, UsageError
-from jobrun.locks import Identity, lease
+from jobrun.history import schema
+from jobrun.locks import Identity
 from jobrun.run.recorder import Recorder
 from support.history import history_config
 
@@ -258,7 +259,7 @@ class TestStatusWhileHeld:
     def test_an_expired_lease_is_not_held(self, ops, dsn, key):
         """A lease row past its expiry is free, whatever the row says."""
         with psycopg.connect(dsn, autocommit=True) as conn:
-            lease.ensure_schema(conn)
+            schema.ensure(conn)
             conn.execute(
                 "INSERT INTO jobrun.leases VALUES (%s, %s, %s, 'gone', 1, now() - interval '1h',"
                 " now() - interval '1h', now() - interval '1s')",

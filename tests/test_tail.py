@@ -389,14 +389,16 @@ class TestEndToEnd:
         assert shown.returncode == 1
         assert "--- stdout: not kept" in shown.stdout
 
-    def test_a_role_that_may_not_add_the_columns_keeps_its_end_row(self, fresh_dsn, role, key):
-        """An older history (no tail columns) used by a role that does not own it: the end
-        row's message is refused with the tails in it, so it goes again without them; the
-        row says failed, and the tails' own session after the release says why not."""
+    def test_an_older_history_waits_for_its_owner_to_upgrade_it(self, fresh_dsn, role, key):
+        """An older history (no version row, no tail columns) used by a role that does not
+        own it: the run goes on and says why its history failed (the role may not run the
+        schema's steps); the owner's next run upgrades it, and the role's runs keep output.
+        """
         ensure = cli.run("--key", f"{key}-owner", "--", "true", dsn=fresh_dsn)
         assert ensure.returncode == 0, ensure.stderr
         with psycopg.connect(fresh_dsn, autocommit=True) as conn:
             conn.execute("ALTER TABLE jobrun.runs DROP COLUMN stdout_tail, DROP COLUMN stderr_tail")
+            conn.execute("DROP TABLE jobrun.schema_version")
         worker = role(
             "GRANT USAGE ON SCHEMA jobrun TO {role}",
             "GRANT SELECT, INSERT, UPDATE, DELETE ON jobrun.runs TO {role}",
@@ -404,10 +406,18 @@ class TestEndToEnd:
         )
         proc = cli.run("--key", key, "--keep-output", "1KiB", "--", "false", dsn=worker)
         assert proc.returncode == 1, proc.stderr
-        assert "must be owner" in str(cli.event(proc.stderr, "output_not_stored")["error"])
+        assert "permission denied" in str(cli.event(proc.stderr, "history_failed")["error"])
+        upgraded = cli.run("--key", f"{key}-owner", "--", "true", dsn=fresh_dsn)
+        assert upgraded.returncode == 0, upgraded.stderr
+        proc = cli.run("--key", key, "--keep-output", "1KiB", "--", "false", dsn=worker)
+        assert proc.returncode == 1, proc.stderr
+        assert "history_failed" not in proc.stderr
         with psycopg.connect(fresh_dsn, autocommit=True) as conn:
-            row = conn.execute("SELECT outcome FROM jobrun.runs WHERE key = %s", (key,)).fetchone()
-        assert row == ("failed",)
+            row = conn.execute(
+                "SELECT outcome, stdout_tail IS NOT NULL FROM jobrun.runs WHERE key = %s",
+                (key,),
+            ).fetchone()
+        assert row == ("failed", True)
 
     @pytest.mark.parametrize(
         "args",

@@ -15,6 +15,7 @@ from psycopg.rows import dict_row
 from jobrun import db, sql
 from jobrun.db.server_session import SILENCE_GRACE
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable
+from jobrun.history import schema
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -32,19 +33,6 @@ CONNECT_TIMEOUT = 5.0
 #: go on for the run's --connect-timeout after the first failure.
 _FIRST_RETRY = 0.1
 _MAX_RETRY = 1.0
-
-
-def ensure_schema(conn: Connection, *, timeout_ms: int = 5000) -> None:
-    """Create (or bring up to date) ``jobrun.runs`` once, even when 50 first runs race for it.
-
-    One message, one implicit transaction: the transaction-scoped advisory lock serializes
-    the racers, and an error rolls everything back (the connection is never left inside a
-    transaction).
-    """
-    psycopg.ClientCursor(conn).execute(
-        sql.RUNS_TIMEOUTS + ";\n" + sql.RUNS_SCHEMA_LOCK + ";\n" + sql.RUNS_SCHEMA,
-        {"ms": str(timeout_ms)},
-    )
 
 
 class Calls:
@@ -83,7 +71,8 @@ class Calls:
         self._retry_for = target.connect_timeout
         #: While retrying: no connection of the history's own may outlast this deadline.
         self._connect_by: float | None = None
-        #: False: a missing table means no rows (a read that must not create the schema).
+        #: False: no schema yet means no rows (a read that must not create the schema); its
+        #: version check is a reader's (a newer schema is read, never refused).
         self._create_schema = create_schema
         self._warned = False
         #: Calls that failed, and whether the database is given up on for this run.
@@ -105,6 +94,7 @@ class Calls:
         last: bool = False,
         otherwise: Sequence[str] | None = None,
         retry: bool = False,
+        refuse_newer: bool = False,
     ) -> list[Rows] | None:
         """The rows of each statement, or None (warned) when the history is unavailable.
 
@@ -118,7 +108,9 @@ class Calls:
         must not lose its end row to them). ``retry``: a call whose connection failed (a
         restart, a failover) is sent again, on a connection of its own, for up to the
         run's --connect-timeout after the first failure (the run's end row: without it
-        the run would stay "running").
+        the run would stay "running"). ``refuse_newer``: a schema a newer jobrun made, which
+        this one may not write, raises SchemaTooNew (the run's first call: the child must
+        not start); else it is this call's failure, and the history is given up on.
         """
         if self.gave_up:
             return None
@@ -129,6 +121,12 @@ class Calls:
                 rows, exc = self._try(statements, params, last=last, otherwise=otherwise)
                 if exc is None:
                     return rows
+                if isinstance(exc, schema.SchemaTooNew):
+                    self.gave_up = True
+                    if refuse_newer:
+                        raise exc
+                    self._failed(during, str(exc))
+                    return None
                 if isinstance(exc, errors.InsufficientPrivilege):
                     rows = self._without_control(during, exc, without_control, params)
                     if rows is None:
@@ -278,9 +276,43 @@ class Calls:
         ending: Ending | None = None,
     ) -> list[Rows]:
         share_ms = max(1, int(self._timeout * 1000 / len(statements)))
+        values = {**params, "ms": str(share_ms)}
+        writes = self._create_schema
+        # The connection's first message starts with the schema's version check (no round
+        # trip of its own); where it says steps are missing, they are run and the message
+        # sent again, once.
+        check = schema.prefix(conn, writes=writes)
+        try:
+            found = self._message(conn, check, statements, values, prefix=prefix, ending=ending)
+        except psycopg.Error as exc:
+            refused = schema.too_new(exc)
+            if refused is not None:
+                raise refused from None
+            if not schema.behind(exc):
+                raise
+            if not writes:
+                return [[] for _ in statements]
+            self.round_trips += 1
+            schema.ensure(conn, timeout_ms=int(self._timeout * 1000))
+            return self._message(conn, (), statements, values, prefix=prefix, ending=ending)
+        if check:
+            schema.passed(conn, writes=writes)
+        return found[len(check) :]
+
+    def _message(
+        self,
+        conn: Connection,
+        check: tuple[str, ...],
+        statements: Sequence[str],
+        values: Mapping[str, object],
+        *,
+        prefix: str,
+        ending: Ending | None,
+    ) -> list[Rows]:
+        """The call as ONE message (``check`` first): the rows of each statement."""
         # Bound on the client: a percent sign in the prefix (a host name) must be doubled,
         # and so must one in the ending (bound already: a literal may hold one).
-        body = ";\n".join((sql.RUNS_TIMEOUTS, *statements))
+        body = ";\n".join((sql.RUNS_TIMEOUTS, *check, *statements))
         opened = ending is not None and ending.after_commit
         if opened:
             # WARNING: a COMMIT of the implicit transaction a message runs in makes the
@@ -293,16 +325,8 @@ class Calls:
             # that fails ends the message before the release (the lock's own release then
             # does it), and the end row is never missing while the lock is free.
             message += ";\n" + ending.statements.replace("%", "%%")
-        values = {**params, "ms": str(share_ms)}
-        try:
-            self.round_trips += 1
-            return self._results(conn, message, values, opened=opened)
-        except (errors.UndefinedTable, errors.UndefinedColumn):
-            if not self._create_schema:
-                return [[] for _ in statements]
-            self.round_trips += 2
-            ensure_schema(conn, timeout_ms=int(self._timeout * 1000))
-            return self._results(conn, message, values, opened=opened)
+        self.round_trips += 1
+        return self._results(conn, message, values, opened=opened)
 
     def _results(
         self, conn: Connection, message: str, values: Mapping[str, object], *, opened: bool

@@ -1,13 +1,13 @@
 """Bring a large history up to date without holding runs up: indexes, then the summary.
 
-The message that creates or upgrades the schema (``RUNS_SCHEMA``: a run's first use, or
-``jobrun init``) builds the history's indexes and fills its summary (``jobrun.run_keys``)
-only while ``jobrun.runs`` is small: on a large table a plain ``CREATE INDEX`` blocks every
-run's writes for as long as it takes. This does the rest, each step in a transaction of
-its own (or none):
+This is also the explicit upgrade command: it runs the schema's numbered steps first
+(jobrun/sql/schema.py, as a run's first use and ``jobrun init`` do). Step 1 builds the
+history's indexes and fills its summary (``jobrun.run_keys``) only while ``jobrun.runs`` is
+small: on a large table a plain ``CREATE INDEX`` blocks every run's writes for as long as
+it takes. This does the rest, each in a transaction of its own (or none):
 
-1. the schema itself (tables, functions, triggers: from now on every change keeps the
-   summary row of its key up to date);
+1. the schema's steps (tables, columns, functions, triggers: from now on every change
+   keeps the summary row of its key up to date), and the version row;
 2. each missing index with ``CREATE INDEX CONCURRENTLY`` (an invalid one, left by an
    interrupted build, is dropped first), which lets runs write meanwhile;
 3. a summary row for every key that has none yet, a batch of keys per transaction (a run
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from jobrun.history.calls import ensure_schema
-from jobrun.sql import history as history_sql
+from jobrun.history import schema
+from jobrun.sql import schema as schema_sql
 from jobrun.sql.session import SEARCH_PATH
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ WHERE n.nspname = 'jobrun' AND c.relname = %s
 
 _BACKFILL_BATCH = f"""
 SELECT pg_catalog.count(jobrun.run_keys_refresh(m.key, 0, 0)) FROM (
-    SELECT k.key FROM ({history_sql.RUNS_KEYS}) AS k
+    SELECT k.key FROM ({schema_sql.RUNS_KEYS}) AS k
     WHERE NOT EXISTS (SELECT 1 FROM jobrun.run_keys AS s WHERE s.key = k.key)
     LIMIT {BACKFILL_KEYS}
 ) AS m
@@ -66,13 +66,12 @@ def upgrade(conn: Connection, say: Callable[[str], None] = print) -> dict[str, f
         f"SET search_path = {SEARCH_PATH}; SET jit = off"
     )
     start = time.monotonic()
-    exists = conn.execute("SELECT pg_catalog.to_regclass('jobrun.runs') IS NOT NULL").fetchone()
-    if not (exists and exists[0]):
-        ensure_schema(conn, timeout_ms=60_000)
+    version, _ = schema.ensure(conn, timeout_ms=0)  # 0: no statement timeout
     took["schema"] = time.monotonic() - start
-    # The indexes first: the schema's message then finds them built (it would build them
-    # under its lock, holding runs up), and the summary's backfill reads through them.
-    for name, definition in history_sql.RUNS_INDEXES:
+    say(f"schema: version {version}")
+    # Then the indexes step 1 left out on a large table (they name its later columns), and
+    # the summary's backfill, which reads through them.
+    for name, definition in schema_sql.RUNS_INDEXES:
         row = conn.execute(_INDEX_STATE, (name,)).fetchone()
         if row is not None and row[0]:
             continue
@@ -84,9 +83,6 @@ def upgrade(conn: Connection, say: Callable[[str], None] = print) -> dict[str, f
         conn.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON jobrun.runs {definition}")
         took[name] = time.monotonic() - start
     start = time.monotonic()
-    ensure_schema(conn, timeout_ms=60_000)  # the summary, its functions and triggers
-    took["schema"] += time.monotonic() - start
-    start = time.monotonic()
     made = 0
     while True:
         row = conn.execute(_BACKFILL_BATCH).fetchone()
@@ -94,7 +90,7 @@ def upgrade(conn: Connection, say: Callable[[str], None] = print) -> dict[str, f
         if not count:
             break
         made += count
-    conn.execute(history_sql.SUMMARY_MARK_COMPLETE)
+    conn.execute(schema_sql.SUMMARY_MARK_COMPLETE)
     took["summary"] = time.monotonic() - start
     say(f"summary: {made} key(s) filled in; complete")
     return took
@@ -104,8 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m jobrun.history.upgrade [DSN]``."""
     args = sys.argv[1:] if argv is None else argv
     dsn = args[0] if args else os.environ.get("JOBRUN_DSN", "")
-    with psycopg.connect(dsn, autocommit=True, application_name="jobrun:upgrade") as conn:
-        took = upgrade(conn)
+    try:
+        with psycopg.connect(dsn, autocommit=True, application_name="jobrun:upgrade") as conn:
+            took = upgrade(conn)
+    except schema.SchemaTooNew as exc:
+        sys.stderr.write(f"jobrun: {exc} (reason {exc.reason})\n")
+        return exc.exit_code
     for step, seconds in took.items():
         sys.stdout.write(f"{step}: {seconds:.1f} s\n")
     return 0

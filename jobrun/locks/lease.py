@@ -20,12 +20,13 @@ from jobrun.exitcodes import (
     UsageError,
     not_granted,
 )
+from jobrun.history import schema
 from jobrun.keys import Key, describe, names
 from jobrun.locks import Holder, Identity, Taken
 from jobrun.locks.stops import StopProbe, bounded_row, lock_wait
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from structlog.typing import FilteringBoundLogger
 
@@ -228,12 +229,16 @@ class LeaseLock:
         # Deadlines count from when the winning statement was *sent*: never later
         # than the database's own start of the lease.
         sent = time.monotonic()
-        try:
-            taken = self._insert_refused(conn)
-        except errors.UndefinedTable:
-            ensure_schema(conn)
+
+        def attempt(check: tuple[str, ...]) -> bool | Holder | None:
+            nonlocal sent
             sent = time.monotonic()
-            taken = self._insert_refused(conn)
+            return self._insert_refused(conn, check)
+
+        # The connection's first statement carries the schema's version check (one
+        # message); where the schema lacks steps (a first run) they are run, and sent again
+        # (anyway: a role that may not run them still takes its lease, as before).
+        taken = schema.guarded(conn, attempt, anyway=True)
         if isinstance(taken, Holder):
             return taken
         if taken:
@@ -252,7 +257,9 @@ class LeaseLock:
         _, label, owner, host, pid, acquired_at, _, expires_at = row
         return _lease_holder((label, owner, host, pid, acquired_at, expires_at))
 
-    def _insert_refused(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
+    def _insert_refused(
+        self, conn: psycopg.Connection[tuple[object, ...]], check: tuple[str, ...]
+    ) -> bool | Holder | None:
         """``_insert``; a lease the database refuses this role is LockStoreUnavailable.
 
         WARNING: a refusal fails closed (reason ``not_granted``, even with ``--on-db-error
@@ -261,7 +268,7 @@ class LeaseLock:
         it, the table's own grants may.
         """
         try:
-            return self._insert(conn)
+            return self._insert(conn, check)
         except errors.InsufficientPrivilege as exc:
             if "row-level security" in str(exc):
                 raise not_granted(conn.info.user, describe(self._keys)) from None
@@ -269,7 +276,9 @@ class LeaseLock:
                 f"taking the lease: {db.one_line(exc, self._target)}", reason=NOT_GRANTED
             ) from None
 
-    def _insert(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder | None:
+    def _insert(
+        self, conn: psycopg.Connection[tuple[object, ...]], check: tuple[str, ...]
+    ) -> bool | Holder | None:
         """All leases in one statement and one transaction; roll back unless we got all.
 
         True: taken. False: another run's lease is in the way. None: a session-mode run
@@ -281,10 +290,10 @@ class LeaseLock:
         into LockStoreUnavailable like any other database error.
         """
         if len(self._keys) == 1:
-            return self._insert_one(conn)
+            return self._insert_one(conn, check)
         session_held = False
         with conn.transaction():
-            free = conn.execute(sql.LEASE_NO_SESSION_LOCK, self._params).fetchone()
+            free = _first_row(conn, check, sql.LEASE_NO_SESSION_LOCK, self._params)
             if not (free and free[0]):
                 free = self._past_squatters(conn, sql.LEASE_NO_SESSION_RUN)
             if free and free[0]:
@@ -296,9 +305,11 @@ class LeaseLock:
             raise psycopg.Rollback
         return None if session_held else False
 
-    def _insert_one(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool | Holder:
+    def _insert_one(
+        self, conn: psycopg.Connection[tuple[object, ...]], check: tuple[str, ...]
+    ) -> bool | Holder:
         """One key: the lease, or who holds the key, in ONE statement (sql.LEASE_TAKE_ONE)."""
-        row = conn.execute(sql.LEASE_TAKE_ONE, self._params).fetchone()
+        row = _first_row(conn, check, sql.LEASE_TAKE_ONE, self._params)
         assert row is not None  # noqa: S101 - one row, always
         if not row[0] and row[8] is not None:
             row = self._past_squatters(conn, sql.LEASE_TAKE_ONE_PAST_SQUATTERS) or row
@@ -398,7 +409,7 @@ class LeaseLock:
             else (sql.LEASE_HELD_OR_STOP, sql.LEASE_HELD)
         )
         return self._stop_probe.check(
-            lambda: bounded_row(conn, with_stop, self._params, wait=self._lock_wait),
+            lambda: bounded_row(conn, with_stop, self._params, wait=self._lock_wait, lookup=True),
             lambda: self._count_alone(conn, alone),
         )
 
@@ -459,8 +470,18 @@ def _lease_holder(lease: Sequence[Any]) -> Holder:
     )
 
 
-def ensure_schema(conn: psycopg.Connection[tuple[object, ...]]) -> None:
-    """Create the jobrun schema and tables, once, even when 50 first runs race for it."""
-    with conn.transaction():
-        conn.execute(sql.SCHEMA_XACT_LOCK)
-        conn.execute(sql.SCHEMA)
+def _first_row(
+    conn: psycopg.Connection[tuple[object, ...]],
+    check: tuple[str, ...],
+    statement: str,
+    params: Mapping[str, object],
+) -> tuple[object, ...] | None:
+    """``statement``'s first row; after ``check`` in the same message where there is one.
+
+    Without a check, the statement alone (bound on the server, as ever); with one, both as
+    one message bound on the client (a failed check runs nothing of the statement).
+    """
+    if not check:
+        return conn.execute(statement, params).fetchone()
+    *_, rows = schema.results(conn, ";\n".join((*check, statement)), dict(params))
+    return rows[0] if rows else None

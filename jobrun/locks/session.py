@@ -325,6 +325,7 @@ class SessionLock:
                         {"lock_ids": held, "run_id": self._run_id, "stop_keys": self._stop_keys},
                         wait=self._lock_wait,
                         prefix=self._comment,
+                        lookup=True,
                     ),
                     lambda: _count(
                         conn.execute(self._comment + sql.HELD_BY_US, (held,)).fetchone()

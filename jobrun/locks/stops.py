@@ -10,6 +10,7 @@ import psycopg
 from psycopg import errors
 
 from jobrun import sql
+from jobrun.history import schema
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -42,18 +43,27 @@ def bounded_row(
     *,
     wait: float,
     prefix: str = "",
+    lookup: bool = False,
 ) -> tuple[object, ...] | None:
     """``statement``'s row, sent in one message after a lock_timeout of ``wait`` local to it.
 
     lock_timeout must be in force before the statement is parsed (its tables are locked
     then): the setting is a statement of its own in the same message, bound on the client.
+    ``lookup``: the statement reads the stop requests; on a connection whose schema was not
+    checked yet, the (reader's) version check goes first in the same message, and fails
+    where there is no schema, or an older one (StopProbe then goes on without the lookup).
     """
+    check = schema.prefix(conn, writes=False) if lookup else ()
     # Bound on the client: a percent sign in the prefix (a host name) must be doubled.
-    message = prefix.replace("%", "%%") + sql.HEARTBEAT_LOCK_WAIT + ";\n" + statement
+    message = ";\n".join((prefix.replace("%", "%%") + sql.HEARTBEAT_LOCK_WAIT, *check, statement))
     cursor = psycopg.ClientCursor(conn)
     cursor.execute(message, {**params, "lock_wait": f"{max(1, round(wait * 1000))}ms"})
-    cursor.nextset()
-    return cursor.fetchone()
+    for _ in range(1 + len(check)):
+        cursor.nextset()
+    row = cursor.fetchone()
+    if check:
+        schema.passed(conn, writes=False)
+    return row
 
 
 class StopProbe:
@@ -91,14 +101,16 @@ class StopProbe:
         if time.monotonic() >= self._next:
             try:
                 row = with_lookup()
-            except errors.UndefinedTable:
-                self._next = time.monotonic() + STOP_TABLE_PROBE
             except errors.InsufficientPrivilege as exc:
                 refused = ("stop_requests_unreadable", self._describe(exc))
             except errors.LockNotAvailable as exc:
                 # Our lock (lease mode: the lease table) or the stop requests' table: the
                 # check alone tells which, and only it can count the lock lost.
                 refused = ("stop_check_unavailable", self._describe(exc))
+            except psycopg.Error as exc:
+                if not schema.behind(exc):  # no schema yet (or an older one): later
+                    raise
+                self._next = time.monotonic() + STOP_TABLE_PROBE
             else:
                 if row is None:
                     return 0, None

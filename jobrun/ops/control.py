@@ -15,14 +15,14 @@ from jobrun import sql
 from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError
-from jobrun.history.calls import ensure_schema
+from jobrun.history import schema
 from jobrun.history.config import iso
 from jobrun.locks.holders import StopRefused, candidate_ids
 from jobrun.sql import control as control_statements
 
 if TYPE_CHECKING:
     import datetime as dt
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     import psycopg
 
@@ -92,18 +92,25 @@ def _recorded_label(conn: Connection, run_id: str, *, labelled: bool | None) -> 
     The owner's view first (``jobrun init``'s run_label, unless ``labelled`` says it is not
     there), else the table as this role sees it (no schema yet: no history).
     """
-    if labelled is not False:
+    if labelled is None:  # not asked yet: the catalog says (the function is init's)
+        found = conn.execute(sql.RUN_LABEL_DEFINED).fetchone()
+        labelled = bool(found and found[0])
+    if labelled:
         try:
             row = conn.execute(sql.RUN_LABEL, (run_id,)).fetchone()
-        except (errors.UndefinedFunction, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        except errors.InsufficientPrivilege:
             pass
         else:
             return None if row is None else row[0]
+
+    def visible(check: tuple[str, ...]) -> list[tuple[Any, ...]]:
+        return messages.results(conn, [*check, sql.RUN_LABEL_VISIBLE_NAMED], {"run_id": run_id})[-1]
+
     try:
-        row = conn.execute(sql.RUN_LABEL_VISIBLE, (run_id,)).fetchone()
-    except (errors.UndefinedTable, errors.InvalidSchemaName, errors.InsufficientPrivilege):
+        rows = schema.readable(conn, visible)
+    except errors.InsufficientPrivilege:
         return None
-    return None if row is None else row[0]
+    return rows[0][0] if rows else None
 
 
 @dataclass(frozen=True)
@@ -114,21 +121,6 @@ class StopResult:
     outcome: str | None = None
     exit_code: int | None = None
     took_lock: bool = False
-
-
-def _creating_tables(conn: Connection, write: Callable[[], T]) -> T:
-    """``write()``, creating jobrun's tables first only where they are missing.
-
-    Creating them needs CREATE on the database (``CREATE SCHEMA IF NOT EXISTS`` asks for it
-    even when the schema is there): a role granted the tables by their owner writes to
-    them without it. The connection is in autocommit, so a failed write ended its own
-    transaction.
-    """
-    try:
-        return write()
-    except (errors.UndefinedTable, errors.InvalidSchemaName):
-        ensure_schema(conn)
-        return write()
 
 
 @dataclass(frozen=True)
@@ -162,7 +154,6 @@ def request_stop(
     found = _claimed(
         conn,
         sql.STOP_REQUEST,
-        sql.STOP_REQUEST_UNCLAIMED,
         params,
         after=(sql.STOP_REQUESTS_PRUNE, _still_holding(holder)),
     )
@@ -192,9 +183,10 @@ def ask_to_stop(
     The message: the run's recorded label (only to say why a request was refused), the
     request written only where that label is ``label``'s (the check in the INSERT itself),
     the pruning and the first look. ``labelled`` (from records.held_if_recorded) says where
-    the label is read. Where it is not known, or the message fails (a table, column,
-    function or grant missing: nothing was written, the message was one transaction), the
-    two steps go one by one, as verify_run and request_stop handle each of those cases.
+    the label is read. The message carries the schema's version check (the schema made or
+    brought up to date first where it lacks steps). Where the label is not known, or a
+    grant is missing (nothing was written: the message was one transaction), the two
+    steps go one by one, as verify_run and request_stop handle each of those cases.
     """
     parts = label.split(",")
     if labelled is not None and holder.run_id is not None:
@@ -215,14 +207,11 @@ def ask_to_stop(
             _still_holding(holder),
         ]
         try:
-            recorded, written, _, look = messages.results(conn, statements, params)
-        except (
-            errors.UndefinedTable,
-            errors.UndefinedColumn,
-            errors.UndefinedFunction,
-            errors.InvalidSchemaName,
-            errors.InsufficientPrivilege,
-        ):
+            recorded, written, _, look = schema.guarded(
+                conn,
+                lambda check: messages.results(conn, [*check, *statements], params)[len(check) :],
+            )
+        except errors.InsufficientPrivilege:
             pass
         else:
             _addressed(label, holder, recorded[0][0] if recorded else None)
@@ -234,29 +223,21 @@ def ask_to_stop(
 def _claimed(
     conn: Connection,
     statement: str,
-    unclaimed: str,
     params: dict[str, object],
     *,
     after: Sequence[str] = (),
 ) -> list[list[tuple[Any, ...]]]:
     """The rows of ``statement``, then of each of ``after``: one message.
 
-    ``unclaimed`` stands in for ``statement`` where it must do without the claim: an older
-    version's table (no claimed_user column) that this role may not bring up to date.
+    After the schema's version check where this connection was not checked yet (in the
+    same message); where the schema lacks steps (none yet, or an older one), they are run
+    first, as a run does (history/schema.py).
     """
 
-    def write(first: str) -> list[list[tuple[Any, ...]]]:
-        return messages.results(conn, [first, *after], params)
+    def write(check: tuple[str, ...]) -> list[list[tuple[Any, ...]]]:
+        return messages.results(conn, [*check, statement, *after], params)[len(check) :]
 
-    try:
-        return _creating_tables(conn, lambda: write(statement))
-    except errors.UndefinedColumn:
-        pass
-    try:
-        ensure_schema(conn)
-    except errors.InsufficientPrivilege:
-        return write(unclaimed)
-    return write(statement)
+    return schema.guarded(conn, write)
 
 
 def _look_params(label: str, holder: Holder) -> dict[str, object]:
@@ -341,27 +322,29 @@ def _take_away_as_owner(
 ) -> None:
     """take_lock_away for this role, after its own pg_terminate_backend was ``refused``."""
     params = {"key": label, "run_id": holder.run_id, "backend_pid": holder.backend_pid}
-    try:
-        row = conn.execute(control_statements.STOP_TAKE_AWAY_AS_OWNER, params).fetchone()
-    except (errors.UndefinedFunction, errors.InvalidSchemaName):
+    there = conn.execute(control_statements.TAKE_LOCK_AWAY_DEFINED).fetchone()
+    if not (there and there[0]):
         why = (
             f"{refused.diag.message_primary or refused} (jobrun init, whose take_lock_away "
             "acts for operators, was not run here)"
         )
-    except errors.InsufficientPrivilege as exc:
-        why = (
-            "neither this role nor the owner of the jobrun schema may terminate another "
-            f"role's session ({exc.diag.message_primary or exc}): grant pg_signal_backend to "
-            "the owner, or run stop --force as the run's own role"
-        )
     else:
-        if row is not None and row[0]:
-            return
-        why = (
-            "this role may not control the key"
-            if row is None or row[0] is None
-            else f"the backend holds no lock of run {holder.run_id} now, or is not its session"
-        )
+        try:
+            row = conn.execute(control_statements.STOP_TAKE_AWAY_AS_OWNER, params).fetchone()
+        except errors.InsufficientPrivilege as exc:
+            why = (
+                "neither this role nor the owner of the jobrun schema may terminate another "
+                f"role's session ({exc.diag.message_primary or exc}): grant pg_signal_backend "
+                "to the owner, or run stop --force as the run's own role"
+            )
+        else:
+            if row is not None and row[0]:
+                return
+            why = (
+                "this role may not control the key"
+                if row is None or row[0] is None
+                else f"the backend holds no lock of run {holder.run_id} now, or is not its session"
+            )
     raise CannotTakeAway(
         f"could not take the lock of {printable(label)} away from backend "
         f"{holder.backend_pid}: {printable(why)}"
@@ -382,17 +365,16 @@ def pause(
     """
     params = {"key": label, "reason": reason, "for": seconds, "until": until, **who_asks()}
     if until is None:
-        found = _claimed(conn, sql.PAUSE, sql.PAUSE_UNCLAIMED, params)
+        found = _claimed(conn, sql.PAUSE, params)
     else:
-        found = _claimed(conn, sql.PAUSE_UNTIL, sql.PAUSE_UNTIL_UNCLAIMED, params)
+        found = _claimed(conn, sql.PAUSE_UNTIL, params)
     row = found[0][0] if found[0] else None
     return (iso(row[0]), iso(row[1]), str(row[2])) if row else (None, None, None)
 
 
 def resume(conn: Connection, label: str) -> bool:
     """End the pause of ``label``; False if it was not paused."""
-    try:
-        row = conn.execute(sql.RESUME, (label,)).fetchone()
-    except errors.UndefinedTable:
-        return False
-    return row is not None
+    found = schema.readable(
+        conn, lambda check: messages.results(conn, [*check, sql.RESUME_NAMED], {"key": label})
+    )
+    return bool(found and found[-1])

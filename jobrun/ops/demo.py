@@ -223,8 +223,19 @@ def _drop_schema_if_unused(conn: psycopg.Connection[Any], tables: list[pgsql.Ide
         for table in tables:
             if conn.execute(pgsql.SQL("SELECT 1 FROM {} LIMIT 1").format(table)).fetchone():
                 return False
+        fence = conn.execute(_TABLE_EXISTS, ("jobrun.fence",)).fetchone()
+        if fence and fence[0]:
+            # Made with the schema (step 1). WARNING: a token handed out must never be handed
+            # out again: a sequence a run used stays. The no-op ALTER takes a lock nextval
+            # waits for, so none is handed out between the look and the DROP.
+            conn.execute("ALTER SEQUENCE jobrun.fence NO CYCLE")
+            used = conn.execute("SELECT is_called FROM jobrun.fence").fetchone()
+            if used and used[0]:
+                return False
+            conn.execute("DROP SEQUENCE jobrun.fence")
         if tables:
             conn.execute(pgsql.SQL("DROP TABLE {}").format(listed))
+        conn.execute("DROP TABLE IF EXISTS jobrun.schema_version")
         for function in _FUNCTIONS:
             conn.execute(pgsql.SQL("DROP FUNCTION IF EXISTS {}").format(pgsql.SQL(function)))
         conn.execute("DROP SCHEMA jobrun RESTRICT")

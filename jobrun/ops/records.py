@@ -11,12 +11,15 @@ from jobrun import sql
 from jobrun.db import messages
 from jobrun.escape import printable
 from jobrun.exitcodes import NOT_GRANTED, Exit, JobrunError, LockStoreUnavailable
+from jobrun.history import schema
 from jobrun.locks.holders import candidate_ids, holder_among, holder_of
 from jobrun.ops import control
 from jobrun.sql import control as control_statements
 from jobrun.sql import records as statements
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import psycopg
 
     from jobrun.locks import Holder
@@ -90,14 +93,26 @@ def ever_recorded(conn: Connection, label: str) -> bool:
     """
     for statement in (statements.RECORDED_IN_HISTORY, statements.RECORDED_IN_CONTROL):
         try:
-            row = conn.execute(statement, {"key": label}).fetchone()
-        except errors.UndefinedTable:
-            continue
+            found = _read(conn, [statement], {"key": label})
         except errors.InsufficientPrivilege:
             return True
-        if row and row[0]:
+        if found is None:  # no jobrun schema: nothing was ever recorded
+            break
+        if found[0] and found[0][0][0]:
             return True
     return holder_of(conn, label) is not None
+
+
+def _read(
+    conn: Connection, reads: Sequence[str], params: dict[str, Any]
+) -> list[list[tuple[Any, ...]]] | None:
+    """The rows of each of ``reads`` in one message, after the schema's version check.
+
+    None: there is no jobrun schema in this database (nothing recorded, nothing granted).
+    """
+    return schema.readable(
+        conn, lambda check: messages.results(conn, [*check, *reads], params)[len(check) :]
+    )
 
 
 def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool | None]:
@@ -113,7 +128,7 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
     """
     params = {"key": label, "need": "control", "lock_ids": candidate_ids(label)}
     try:
-        *_, granted, recorded, _, _, lease, session, labelled = messages.results(
+        found = _read(
             conn,
             [
                 *statements.GRANT_CHECK,
@@ -124,9 +139,12 @@ def held_if_recorded(conn: Connection, label: str) -> tuple[Holder | None, bool 
             ],
             params,
         )
-    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+    except errors.InsufficientPrivilege:
+        found = None
+    if found is None:
         require_recorded(conn, label, need="control")
         return holder_of(conn, label), None
+    *_, granted, recorded, _, _, lease, session, labelled = found
     _refuse_unless_granted(granted, label, "control")
     initialised = bool(labelled and labelled[0][0])
     holder = holder_among(label, _first(lease), _first(session), initialised=initialised)
@@ -144,14 +162,17 @@ def resume_if_recorded(conn: Connection, label: str) -> bool:
     nothing is changed).
     """
     try:
-        *_, granted, recorded, resumed = messages.results(
+        found = _read(
             conn,
             [*statements.GRANT_CHECK, statements.RECORDED_ANYWHERE, sql.RESUME_NAMED],
             {"key": label, "need": "control"},
         )
-    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+    except errors.InsufficientPrivilege:
+        found = None
+    if found is None:
         require_recorded(conn, label, need="control")
         return control.resume(conn, label)
+    *_, granted, recorded, resumed = found
     _refuse_unless_granted(granted, label, "control")
     if not (recorded and recorded[0][0]) and holder_of(conn, label) is None:
         raise NeverRecorded(label)
@@ -176,14 +197,17 @@ def require_recorded(
     if unless:
         return
     try:
-        *_, granted, recorded = messages.results(
+        found = _read(
             conn,
             [*statements.GRANT_CHECK, statements.RECORDED_ANYWHERE],
             {"key": label, "need": need},
         )
-    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+    except errors.InsufficientPrivilege:
+        found = None
+    if found is None:
         known = ever_recorded(conn, label)
     else:
+        *_, granted, recorded = found
         _refuse_unless_granted(granted, label, need)
         known = bool(recorded and recorded[0][0]) or holder_of(conn, label) is not None
     if not known:
@@ -240,55 +264,43 @@ def forget(conn: Connection, label: str) -> Forgotten:
     """
     lock_ids = candidate_ids(label)
     params = {"key": label, "lock_ids": lock_ids}
-    with conn.transaction():
-        row = conn.execute(statements.FORGET_LOCK_IDS, params).fetchone()
-        if not (row and row[0]):
-            raise KeyHeld(
-                f"{label} is held by a running job (session mode): forget only a retired "
-                f"key; stop it first (jobrun stop {label}) or wait for it to end"
+
+    def attempt(check: tuple[str, ...]) -> Forgotten:
+        with conn.transaction():
+            # The schema's version check rides with the first statement (one message): a
+            # schema that lacks steps rolls this back, and is brought up to date first.
+            *_, locked = messages.results(conn, [*check, statements.FORGET_LOCK_IDS], params)
+            if not (locked and locked[0][0]):
+                raise KeyHeld(
+                    f"{label} is held by a running job (session mode): forget only a retired "
+                    f"key; stop it first (jobrun stop {label}) or wait for it to end"
+                )
+            lease = _one(conn, statements.FORGET_LIVE_LEASE, params)
+            if lease is not None:
+                owner, host, pid = (printable(value) for value in lease)
+                raise KeyHeld(
+                    f"{label} is held by run {owner} on {host} (pid {pid}, lease mode): "
+                    f"forget only a retired key; stop it first (jobrun stop {label}) or wait "
+                    "for it to end"
+                )
+            row = _one(conn, statements.FORGET_RUNS, params)
+            runs, skips, kept = (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
+            return Forgotten(
+                runs=runs,
+                skips=skips,
+                kept_output=kept,
+                pauses=_deleted(conn, statements.FORGET_PAUSES, params),
+                expectations=_deleted(conn, statements.FORGET_EXPECTATIONS, params),
+                stop_requests=_deleted(conn, statements.FORGET_STOP_REQUESTS, params),
+                expired_leases=_deleted(conn, statements.FORGET_LEASES, params),
             )
-        lease = _one(conn, statements.FORGET_LIVE_LEASE, params)
-        if lease is not None:
-            owner, host, pid = (printable(value) for value in lease)
-            raise KeyHeld(
-                f"{label} is held by run {owner} on {host} (pid {pid}, lease mode): forget "
-                f"only a retired key; stop it first (jobrun stop {label}) or wait for it to end"
-            )
-        runs, skips, kept = _runs(conn, params)
-        return Forgotten(
-            runs=runs,
-            skips=skips,
-            kept_output=kept,
-            pauses=_deleted(conn, statements.FORGET_PAUSES, params),
-            expectations=_deleted(conn, statements.FORGET_EXPECTATIONS, params),
-            stop_requests=_deleted(conn, statements.FORGET_STOP_REQUESTS, params),
-            expired_leases=_deleted(conn, statements.FORGET_LEASES, params),
-        )
+
+    return schema.guarded(conn, attempt)
 
 
-def _runs(conn: Connection, params: dict[str, Any]) -> tuple[int, int, int]:
-    """Runs, skips and runs with kept output removed from jobrun.runs."""
-    for kept in (statements.FORGET_RUNS_KEPT, statements.FORGET_RUNS_NONE_KEPT):
-        row = _one(conn, statements.FORGET_RUNS.format(kept=kept), params, column=kept)
-        if row is not _MISSING_COLUMN:
-            return (0, 0, 0) if row is None else (int(row[0]), int(row[1]), int(row[2]))
-    return (0, 0, 0)  # pragma: no cover - the second form names no optional column
-
-
-_MISSING_COLUMN: Any = object()
-
-
-def _one(conn: Connection, statement: str, params: dict[str, Any], *, column: str = "") -> Any:
-    """The statement's one row (None: no row, or its table does not exist)."""
-    try:
-        with conn.transaction():  # a savepoint: a missing table must not end the transaction
-            return conn.execute(statement, params).fetchone()
-    except errors.UndefinedTable:
-        return None
-    except errors.UndefinedColumn:
-        if column:
-            return _MISSING_COLUMN
-        raise
+def _one(conn: Connection, statement: str, params: dict[str, Any]) -> Any:
+    """The statement's one row (None: no row)."""
+    return conn.execute(statement, params).fetchone()
 
 
 def _deleted(conn: Connection, statement: str, params: dict[str, Any]) -> int:

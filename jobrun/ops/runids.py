@@ -6,11 +6,10 @@ import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from psycopg import errors
-
 from jobrun import keys
 from jobrun.escape import printable
 from jobrun.exitcodes import Exit, JobrunError, UsageError
+from jobrun.history import schema
 from jobrun.sql import runids as statements
 
 if TYPE_CHECKING:
@@ -77,20 +76,25 @@ def resolve(conn: Connection, text: str) -> str:
 
 def _by_prefix(conn: Connection, digits: str) -> list[tuple[Any, ...]]:
     low, high = (_as_uuid(digits.ljust(_HEX_DIGITS, pad)) for pad in "0f")
-    try:
-        return conn.execute(
-            statements.RUN_IDS_BY_PREFIX, {"low": low, "high": high, "limit": LISTED + 1}
-        ).fetchall()
-    except errors.UndefinedTable:
-        return []
+    found = _read(
+        conn, statements.RUN_IDS_BY_PREFIX, {"low": low, "high": high, "limit": LISTED + 1}
+    )
+    return found or []
 
 
 def _newest_kept(conn: Connection, label: str) -> str | None:
-    try:
-        row = conn.execute(statements.NEWEST_KEPT_OF_KEY, {"key": label}).fetchone()
-    except (errors.UndefinedTable, errors.UndefinedColumn):  # nothing was ever kept here
-        return None
-    return str(row[0]) if row else None
+    found = _read(conn, statements.NEWEST_KEPT_OF_KEY, {"key": label})
+    return str(found[0][0]) if found else None
+
+
+def _read(conn: Connection, statement: str, params: dict[str, Any]) -> list[tuple[Any, ...]] | None:
+    """The rows of ``statement`` (after the schema's version check); None: no schema yet."""
+
+    def attempt(check: tuple[str, ...]) -> list[tuple[Any, ...]]:
+        *_, rows = schema.results(conn, ";\n".join((*check, statement)), params)
+        return rows
+
+    return schema.readable(conn, attempt)
 
 
 def _as_uuid(digits: str) -> str:

@@ -11,7 +11,9 @@ from psycopg import sql as pgsql
 
 from jobrun.escape import printable
 from jobrun.exitcodes import JobrunError, LockStoreUnavailable, UsageError
+from jobrun.history import schema
 from jobrun.keys import LOCK_ID_PREFIX, validate_name
+from jobrun.sql import schema as schema_sql
 from jobrun.sql import tenants as statements
 
 if TYPE_CHECKING:
@@ -184,7 +186,11 @@ $$
 def init_script() -> str:
     """``jobrun init --print-sql``: init's SQL as one transaction, for psql, with its recipe."""
     ours = [statements.OPERATOR_ROLE, statements.READER_ROLE]
-    composed: list[Statement] = [pgsql.SQL(statements.INIT)]
+    composed: list[Statement] = [
+        pgsql.SQL(schema_sql.upgrade_message(0)),  # 0: no statement timeout
+        pgsql.SQL(schema_sql.CHECK_WRITE),  # a newer jobrun's schema: stop (ON_ERROR_STOP)
+        pgsql.SQL(statements.INIT),
+    ]
     composed += [
         _sql(_MAKE_ROLE_IF_MISSING, role=pgsql.Identifier(role), literal=pgsql.Literal(role))
         for role in ours
@@ -198,6 +204,10 @@ def init_script() -> str:
 def as_text(composed: Sequence[Statement]) -> str:
     """Statements as a script a person can read, or feed to psql."""
     return "".join(part.as_string(None).strip().rstrip(";") + ";\n" for part in composed)
+
+
+#: How long ``jobrun init``'s upgrade may take per statement (and wait for a lock).
+INIT_TIMEOUT_MS = 60_000
 
 
 def init(conn: Connection) -> list[str]:
@@ -218,6 +228,10 @@ def init(conn: Connection) -> list[str]:
     make = missing if may_create else []
     roles = [role for role in ours if role not in missing or role in make]
     with conn.transaction():
+        # The schema brought up to date first (SchemaTooNew where a newer jobrun's steps
+        # forbid this one to write: its functions and policies must not be put back), in
+        # the same transaction as the protections.
+        schema.ensure(conn, timeout_ms=INIT_TIMEOUT_MS)
         for part in init_statements(make_roles=make, roles=roles):
             conn.execute(part)
     return notes

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from psycopg import errors
-
 from jobrun import db, sql
 from jobrun.exitcodes import LockStoreUnavailable
+from jobrun.history import schema
 from jobrun.run.listeners import Listener
 
 if TYPE_CHECKING:
@@ -23,34 +22,26 @@ ENV = "JOBRUN_FENCE_TOKEN"
 
 
 def take(target: db.Target, *, app_name: str, session: ServerSession | None = None) -> int:
-    """The next value of ``jobrun.fence`` (created on first use); LockStoreUnavailable if not.
+    """The next value of ``jobrun.fence`` (made with the schema); LockStoreUnavailable if not.
 
     One sequence serves every key: tokens of one key are then increasing too, and a token
     means the same thing whichever lock mode or host took it. On the run's ``session`` while
-    it is open (session mode: the lock session, so a run stays one server session); only
-    the very first token of a database (the sequence does not exist yet) takes a short
-    connection of its own to create it, as a lease run does (its session is closed by now).
+    it is open (session mode: the lock session, so a run stays one server session); else on
+    a short connection of its own (a lease run: its session is closed by now). The
+    connection's first message carries the schema's version check; the very first token
+    of a database makes the schema first (history/schema.py).
     """
     if session is not None:
         with session.use() as conn, db.translate_errors(target, "taking a fencing token"):
             if conn is not None:
-                try:
-                    # One autocommit statement, with the holder's comment as every statement
-                    # on the lock session (a skipping run reads who holds the key from it).
-                    return _next(conn, prefix=session.comment)
-                except (errors.UndefinedTable, errors.InvalidSchemaName):
-                    # The first token of a database: the sequence made and its first value
-                    # taken in one message (one implicit transaction) on the same session.
-                    return _created_next(conn, prefix=session.comment)
+                # One autocommit statement, with the holder's comment as every statement on
+                # the lock session (a skipping run reads who holds the key from it).
+                return _next(conn, prefix=session.comment)
     with (
         db.connect(target, app_name=app_name) as conn,
         db.translate_errors(target, "taking a fencing token"),
     ):
-        try:
-            return _next(conn)
-        except (errors.UndefinedTable, errors.InvalidSchemaName):
-            ensure_sequence(conn)
-            return _next(conn)
+        return _next(conn)
 
 
 def issue(
@@ -120,26 +111,9 @@ class Fence(Listener):
         return None
 
 
-def ensure_sequence(conn: psycopg.Connection[tuple[object, ...]]) -> None:
-    """Create ``jobrun.fence`` once, even when many first runs race for it."""
-    with conn.transaction():
-        conn.execute(sql.SCHEMA_XACT_LOCK)
-        conn.execute(sql.FENCE_SCHEMA)
-
-
-def _created_next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> int:
-    """Create ``jobrun.fence`` (under the schema's lock) and take its next value: one message."""
-    cursor = conn.execute(
-        prefix + f"{sql.SCHEMA_XACT_LOCK};\n{sql.FENCE_SCHEMA.strip()}\n{sql.FENCE_NEXT}"
-    )
-    while cursor.nextset():  # the token is the last result
-        pass
-    row = cursor.fetchone()
-    assert row is not None  # noqa: S101 - nextval always returns a row
-    return int(str(row[0]))
-
-
 def _next(conn: psycopg.Connection[tuple[object, ...]], *, prefix: str = "") -> int:
-    row = conn.execute(prefix + sql.FENCE_NEXT).fetchone()
-    assert row is not None  # noqa: S101 - nextval always returns a row
-    return int(str(row[0]))
+    def attempt(check: tuple[str, ...]) -> int:
+        *_, rows = schema.results(conn, prefix + ";\n".join((*check, sql.FENCE_NEXT)))
+        return int(str(rows[0][0]))
+
+    return schema.guarded(conn, attempt, anyway=True)  # a sequence made before, if any

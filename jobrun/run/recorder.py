@@ -119,6 +119,8 @@ class Recorder:
         ``already_ran``. Raises LockStoreUnavailable (``history_unavailable``) when
         ``once_per`` is given and the history cannot be read and written: whether this
         window already had its run is then unknown, and the promise is to fail closed.
+        Raises SchemaTooNew (``schema_too_new``, whatever ``once_per``) where a newer
+        jobrun upgraded the schema past what this one may write.
         """
         # The pause and the expectation ride in the same message: no extra round trip.
         # So do --requires and --warn-after auto (only with their options: checks).
@@ -144,6 +146,8 @@ class Recorder:
                 sql.NO_ROWS,
                 *checks,
             ),
+            # The run's first write: a schema this jobrun may not write stops it here.
+            refuse_newer=True,
         )
         if result is None:
             if once_per is not None:

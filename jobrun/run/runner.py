@@ -199,7 +199,7 @@ class _GuardedRun:
         job = self.job
         try:
             earlier = self.history.acquired(job.once_per)
-        except LockStoreUnavailable as exc:  # --once-per cannot be checked
+        except LockStoreUnavailable as exc:  # --once-per cannot be checked, a newer schema
             # Not for a required key this role may not read (not_granted): that is no outage.
             anyway = job.on_db_error == "run" and not exc.fails_closed
             self._unavailable(

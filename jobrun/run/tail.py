@@ -302,12 +302,11 @@ STORE_TIMEOUT = 5.0
 def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBoundLogger) -> bool:
     """Put the tails into the run's history row (after the run: the lock is free by now).
 
-    Adds the two columns the first time. Never raises: a failure is one warning.
+    Never raises: a failure is one warning.
     """
     import dataclasses  # noqa: PLC0415 - only runs that kept output get here
 
     import psycopg  # noqa: PLC0415
-    from psycopg import errors  # noqa: PLC0415
 
     from jobrun import db, sql  # noqa: PLC0415
     from jobrun.exitcodes import LockStoreUnavailable  # noqa: PLC0415
@@ -322,16 +321,11 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
             conn.execute(sql.RUNS_TIMEOUTS, {"ms": str(int(STORE_TIMEOUT * 1000))})
             return conn.execute(sql.RUNS_STORE_TAIL, params).rowcount
 
+    # The run's row exists only where its history checked the schema's version (the tails'
+    # columns are step 1's): nothing to make here.
     try:
         with db.connect(bounded, app_name="jobrun-output") as conn:
-            try:
-                stored = attempt(conn)
-            except errors.UndefinedColumn:
-                with conn.transaction():
-                    conn.execute(sql.RUNS_TIMEOUTS, {"ms": str(int(STORE_TIMEOUT * 1000))})
-                    conn.execute(sql.SCHEMA_XACT_LOCK)
-                    conn.execute(sql.RUNS_TAIL_COLUMNS)
-                stored = attempt(conn)
+            stored = attempt(conn)
     except (psycopg.Error, LockStoreUnavailable) as exc:
         log.warning("output_not_stored", error=db.one_line(exc, target))
         return False
@@ -346,17 +340,15 @@ def store(target: db.Target, run_id: str, capture: Capture, *, log: FilteringBou
 
 def read(conn: psycopg.Connection[tuple[object, ...]], run_id: str) -> Mapping[str, object] | None:
     """The run ``run_id`` with its tails, None where not kept (None: no such run)."""
-    from psycopg import errors  # noqa: PLC0415
-
     from jobrun import sql  # noqa: PLC0415
+    from jobrun.history import schema  # noqa: PLC0415
 
-    try:
-        try:
-            row = conn.execute(sql.RUNS_TAIL, {"run_id": run_id}).fetchone()
-        except errors.UndefinedColumn:  # no run ever kept output here
-            row = conn.execute(sql.RUNS_TAIL_NONE, {"run_id": run_id}).fetchone()
-    except errors.UndefinedTable:
-        return None
+    def attempt(check: tuple[str, ...]) -> list[tuple[object, ...]]:
+        *_, rows = schema.results(conn, ";\n".join((*check, sql.RUNS_TAIL)), {"run_id": run_id})
+        return rows
+
+    found = schema.readable(conn, attempt)  # None: no schema yet, no run
+    row = found[0] if found else None
     if row is None:
         return None
     names = ("run_id", "key", "host", "outcome", "exit_code", "started_at", "stdout", "stderr")

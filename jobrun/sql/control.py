@@ -4,43 +4,6 @@ from __future__ import annotations
 
 from jobrun.sql.lease import LEASE_HELD, LEASE_RENEW
 
-#: ``jobrun stop`` writes a row for the run it stops, by run id (a request never reaches the
-#: next run); that run's heartbeat reads it. ``jobrun pause`` writes one row per key label.
-#: ``--expect-every`` keeps one row per key label: how often a successful run is expected.
-#: Created with the run history (RUNS_SCHEMA), or by ``stop``/``pause`` themselves; tables
-#: of older versions get the operator's claimed user name (``claimed_user``) then.
-CONTROL_SCHEMA = """
-CREATE SCHEMA IF NOT EXISTS jobrun;
-CREATE TABLE IF NOT EXISTS jobrun.stop_requests (
-    run_id       uuid PRIMARY KEY,
-    key          text NOT NULL,
-    requested_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    host         text NOT NULL,
-    username     text NOT NULL,
-    pid          integer NOT NULL,
-    reason       text,
-    claimed_user text
-);
-CREATE TABLE IF NOT EXISTS jobrun.pauses (
-    key       text PRIMARY KEY,
-    paused_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    until     timestamptz,
-    host      text NOT NULL,
-    username  text NOT NULL,
-    pid       integer NOT NULL,
-    reason    text,
-    claimed_user text
-);
-CREATE TABLE IF NOT EXISTS jobrun.expectations (
-    key        text PRIMARY KEY,
-    every      double precision NOT NULL,
-    grace      double precision NOT NULL,
-    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-ALTER TABLE jobrun.stop_requests ADD COLUMN IF NOT EXISTS claimed_user text;
-ALTER TABLE jobrun.pauses ADD COLUMN IF NOT EXISTS claimed_user text
-"""
-
 #: The lock session's heartbeat (HELD_BY_US) and a stop request for this run, in one statement.
 #: WARNING: a request counts only if it names one of the run's own keys (its label or a key
 #: name): whoever may write a row for a key they were granted must not stop the run of
@@ -87,13 +50,6 @@ VALUES (%(run_id)s, %(key)s, %(host)s, session_user, %(user)s, %(pid)s, %(reason
 ON CONFLICT (run_id) DO NOTHING
 RETURNING username
 """
-#: The same in a table of an older version (no claimed_user) that this role may not alter.
-STOP_REQUEST_UNCLAIMED = """
-INSERT INTO jobrun.stop_requests (run_id, key, host, username, pid, reason)
-VALUES (%(run_id)s, %(key)s, %(host)s, session_user, %(pid)s, %(reason)s)
-ON CONFLICT (run_id) DO NOTHING
-RETURNING username
-"""
 
 #: The request already written for this run (a repeat keeps the first), if this role sees it.
 STOP_REQUEST_OF = "SELECT username, key FROM jobrun.stop_requests WHERE run_id = %s::uuid"
@@ -101,7 +57,7 @@ STOP_REQUEST_OF = "SELECT username, key FROM jobrun.stop_requests WHERE run_id =
 #: The label of a run, from the history: the owner's view (``jobrun init``'s run_label,
 #: which row-level security does not narrow), or, before init, the table itself.
 RUN_LABEL = "SELECT jobrun.run_label(%s::uuid)"
-RUN_LABEL_VISIBLE = "SELECT key FROM jobrun.runs WHERE run_id = %s::uuid"
+RUN_LABEL_VISIBLE_NAMED = "SELECT key FROM jobrun.runs WHERE run_id = %(run_id)s::uuid"
 #: Whether ``jobrun init`` made run_label (else RUN_LABEL fails: the table itself is asked).
 RUN_LABEL_DEFINED = "SELECT to_regprocedure('jobrun.run_label(uuid)') IS NOT NULL"
 
@@ -179,12 +135,8 @@ _CLAIM = {
     "claimed": "%(user)s, ",
     "reclaim": "claimed_user = excluded.claimed_user, ",
 }
-_NO_CLAIM = {"claim": "", "claimed": "", "reclaim": ""}
 PAUSE = _PAUSE.format(until=_FOR, **_CLAIM)
 PAUSE_UNTIL = _PAUSE.format(until=_UNTIL, **_CLAIM)
-#: The same in a table of an older version (no claimed_user) that this role may not alter.
-PAUSE_UNCLAIMED = _PAUSE.format(until=_FOR, **_NO_CLAIM)
-PAUSE_UNTIL_UNCLAIMED = _PAUSE.format(until=_UNTIL, **_NO_CLAIM)
 
 #: ``jobrun resume``: end the pause of a key (the row it deleted, if any).
 RESUME = "DELETE FROM jobrun.pauses WHERE key = %s RETURNING paused_at, until"
@@ -378,6 +330,11 @@ BEGIN
 END
 $$;
 """
+
+#: Whether ``jobrun init`` made take_lock_away (a catalog lookup: nothing fails without it).
+TAKE_LOCK_AWAY_DEFINED = (
+    "SELECT pg_catalog.to_regprocedure('jobrun.take_lock_away(uuid, integer)') IS NOT NULL"
+)
 
 #: ``jobrun stop --force`` where the caller's own pg_terminate_backend was refused: the
 #: caller's right to control the key, asked of jobrun.allowed as the caller, then

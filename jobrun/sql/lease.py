@@ -2,28 +2,6 @@
 
 from __future__ import annotations
 
-#: Taken (transaction-scoped) around the DDL so that 50 first runs at once create it once.
-#: WARNING: jobrun's own advisory locks live in the two-int4 space (pg_locks objsubid 2),
-#: which no key can reach: every key, named or ``--lock-id``, locks a bigint (objsubid 1).
-#: A key that maps to one of them could otherwise hold up every first run, or be held up.
-#: classid 1785684594 is "jobr" in ASCII; objid 1 is the schema.
-SCHEMA_XACT_LOCK = "SELECT pg_advisory_xact_lock(1785684594, 1)"
-
-SCHEMA = """
-CREATE SCHEMA IF NOT EXISTS jobrun;
-CREATE TABLE IF NOT EXISTS jobrun.leases (
-    lock_id     bigint PRIMARY KEY,
-    key         text NOT NULL,
-    owner       uuid NOT NULL,
-    host        text NOT NULL,
-    pid         integer NOT NULL,
-    acquired_at timestamptz NOT NULL,
-    renewed_at  timestamptz NOT NULL,
-    expires_at  timestamptz NOT NULL
-);
-"""
-
-
 # WARNING: lease mode's statements are the ones that may reach the server through a
 # transaction pooler, where the session's pinned search_path (sql.session.SEARCH_PATH) may
 # not follow them from backend to backend: every function, operator and non-keyword type

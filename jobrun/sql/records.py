@@ -32,16 +32,14 @@ WHERE lock_id = ANY(%(lock_ids)s::int8[]) AND expires_at > clock_timestamp()
 LIMIT 1
 """
 
-#: ``forget``, one table at a time (each may be missing): the rows removed, counted.
+#: ``forget``, one table at a time: the rows removed, counted.
 FORGET_RUNS = """
-WITH gone AS (DELETE FROM jobrun.runs WHERE key = %(key)s RETURNING outcome, {kept})
+WITH gone AS (DELETE FROM jobrun.runs WHERE key = %(key)s RETURNING outcome,
+    stdout_tail IS NOT NULL OR stderr_tail IS NOT NULL AS kept)
 SELECT count(*) FILTER (WHERE outcome <> 'skipped'), count(*) FILTER (WHERE outcome = 'skipped'),
        count(*) FILTER (WHERE kept)
 FROM gone
 """
-#: The ``kept`` column of FORGET_RUNS: whether the row held output tails (``--keep-output``).
-FORGET_RUNS_KEPT = "stdout_tail IS NOT NULL OR stderr_tail IS NOT NULL AS kept"
-FORGET_RUNS_NONE_KEPT = "false AS kept"
 FORGET_PAUSES = """
 WITH gone AS (DELETE FROM jobrun.pauses WHERE key = %(key)s RETURNING 1)
 SELECT count(*) FROM gone

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobrun.sql.history import SUMMARY_COMPLETE
+from jobrun.sql.schema import SUMMARY_COMPLETE
 
 #: Every granted bigint advisory lock in this database, with whoever holds it: its database
 #: role (``usename``) is the server's word; everything else but the pid is the client's.

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from jobrun.sql.control import TAKE_LOCK_AWAY_FUNCTION
-from jobrun.sql.history import FENCE_SCHEMA, RUNS_SCHEMA, RUNS_TAIL_COLUMNS
-from jobrun.sql.lease import SCHEMA, SCHEMA_XACT_LOCK
+from jobrun.sql.schema import SCHEMA_XACT_LOCK
 
 #: The roles ``jobrun init`` makes where it may: members may control (operator) or read
 #: (reader) every key of every database that was initialised.
@@ -261,15 +260,12 @@ SELECT key FROM jobrun.runs WHERE run_id = run
 $$;
 """
 
-#: Everything ``jobrun init`` makes, as the owner, in one transaction (the schema lock
-#: first: a first run racing it waits). Composed of this package's constants only.
+#: What ``jobrun init`` adds to the schema (history/schema.py's upgrade runs first, in the
+#: same transaction), as the owner: the grants, the functions, the policies (the schema
+#: lock first: a first run racing it waits). Composed of this package's constants only.
 INIT = "\n".join(
     (
         SCHEMA_XACT_LOCK + ";",
-        RUNS_SCHEMA.strip() + ";",
-        SCHEMA.strip(),
-        FENCE_SCHEMA.strip(),
-        RUNS_TAIL_COLUMNS.strip(),
         GRANTS_TABLE.strip(),
         FUNCTIONS.strip(),
         RUN_LABEL_FUNCTION.strip(),

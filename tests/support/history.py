@@ -15,8 +15,8 @@ from psycopg.rows import dict_row
 
 from jobrun import db, keys, log
 from jobrun.db.server_session import ServerSession
-from jobrun.history.calls import ensure_schema
 from jobrun.history.config import CALL_TIMEOUT, HistoryConfig
+from jobrun.history.schema import ensure as ensure_schema
 from jobrun.locks import Identity
 from jobrun.run.recorder import Recorder
 

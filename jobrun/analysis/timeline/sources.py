@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psycopg import errors
 from psycopg.rows import dict_row
 
 from jobrun import sql
 from jobrun.analysis.deadlocks.sources import NoInputError
 from jobrun.analysis.timeline import model
+from jobrun.db import messages
 from jobrun.exitcodes import Exit, JobrunError
+from jobrun.history import schema
 from jobrun.sql.timeline import TIMELINE_NOW, TIMELINE_RUNS
 
 if TYPE_CHECKING:
@@ -58,12 +59,15 @@ def history(
     with conn.transaction():
         conn.execute(sql.RUNS_TIMEOUTS, {"ms": STATEMENT_TIMEOUT_MS})
         cursor = conn.cursor(row_factory=dict_row)
-        try:
-            with conn.transaction():
-                rows = cursor.execute(TIMELINE_RUNS, params).fetchall()
-        except errors.UndefinedTable:
-            rows = []
+
+        def runs(check: tuple[str, ...]) -> list[dict[str, Any]]:
+            with conn.transaction():  # a savepoint: a schema that lacks steps rolls it back
+                return messages.dict_results(conn, [*check, TIMELINE_RUNS], params)[-1]
+
+        found = schema.readable(conn, runs)
+        if found is None:
             read.notes.append("no run history yet (the jobrun.runs table does not exist)")
+        rows = found or []
         now_row = cursor.execute(TIMELINE_NOW).fetchone() if not rows else rows[-1]
     read.now = now_row["now"] if now_row is not None else None
     read.bars = model.history_bars(rows)

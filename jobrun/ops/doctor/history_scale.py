@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from jobrun.ops.doctor import query
 from jobrun.ops.doctor.finding import OK, WARN, Finding
 from jobrun.sql import doctor as doctor_sql
-from jobrun.sql import history as history_sql
+from jobrun.sql import schema as history_sql
 
 if TYPE_CHECKING:
     from jobrun.ops.doctor.query import Connection

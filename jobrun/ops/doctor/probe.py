@@ -13,6 +13,7 @@ from psycopg import errors
 from jobrun import keys
 from jobrun.escape import printable
 from jobrun.exitcodes import UsageError
+from jobrun.history import schema
 from jobrun.ops.doctor.finding import FAIL, NOTE, OK, WARN, Finding
 from jobrun.sql import doctor as statements
 from jobrun.sql import history, lease
@@ -89,7 +90,6 @@ def _lease(conn: Connection, key: keys.Key, mode: str) -> Finding:
         row = _rolled_back(
             conn,
             [(lease.LEASE_TAKE_ONE, params)],
-            create=[lease.SCHEMA_XACT_LOCK, lease.SCHEMA],
         )[0]
     except _Refused as refused:
         if mode != "lease":
@@ -133,7 +133,7 @@ def _history(conn: Connection, key: keys.Key, mode: str) -> Finding:
         (statements.DOCTOR_PROBE_FINISH, params),
     ]
     try:
-        rows = _rolled_back(conn, steps, create=[history.RUNS_SCHEMA_LOCK, history.RUNS_SCHEMA])
+        rows = _rolled_back(conn, steps)
     except _Refused as refused:
         if _unpaused(conn, refused, [(history.RUNS_ACQUIRED_UNPAUSED, params), *steps[1:]]):
             # As a run does: refused the pauses, it writes its row without them.
@@ -172,37 +172,44 @@ def _unpaused(
     if refused.creating or not isinstance(refused.error, errors.InsufficientPrivilege):
         return False
     try:
-        rows = _rolled_back(conn, steps, create=[])
+        rows = _rolled_back(conn, steps)
     except _Refused:
         return False
     return all(rows)
 
 
 def _rolled_back(
-    conn: Connection, steps: Sequence[tuple[str, dict[str, Any]]], *, create: Sequence[str]
+    conn: Connection, steps: Sequence[tuple[str, dict[str, Any]]]
 ) -> list[tuple[Any, ...] | None]:
     """The first row of each step, in one transaction that is then rolled back.
 
-    A missing table is created first (``create``, in a savepoint), as a run does on its
-    first use; every statement is bounded by PROBE_TIMEOUT_MS and runs with the
-    search_path pinned (the history's own limits).
+    The first step's message carries the schema's version check, as a run's does; where
+    the schema lacks steps they are run first (in a savepoint, rolled back with the rest),
+    as a run does on its first use. Every statement is bounded by PROBE_TIMEOUT_MS and
+    runs with the search_path pinned (the history's own limits).
     """
     rows: list[tuple[Any, ...] | None] = []
     limits = {"ms": str(PROBE_TIMEOUT_MS)}
+
+    def first(check: tuple[str, ...]) -> tuple[Any, ...] | None:
+        with conn.transaction():
+            *_, found = schema.results(conn, ";\n".join((*check, steps[0][0])), steps[0][1])
+        return found[0] if found else None
+
     try:
         with conn.transaction(force_rollback=True):
             conn.execute(history.RUNS_TIMEOUTS, limits)
             try:
-                with conn.transaction():
-                    rows.append(conn.execute(steps[0][0], steps[0][1]).fetchone())
-            except (errors.UndefinedTable, errors.InvalidSchemaName):
+                rows.append(first(schema.CHECK_WRITE_ONLY))
+            except psycopg.Error as exc:
+                if not schema.behind(exc):
+                    raise
                 try:
                     with conn.transaction():
-                        for statement in create:
-                            conn.execute(statement)
+                        schema.ensure(conn, timeout_ms=PROBE_TIMEOUT_MS, remember=False)
                 except psycopg.Error as exc:
                     raise _Refused(exc, creating=True) from None
-                rows.append(conn.execute(steps[0][0], steps[0][1]).fetchone())
+                rows.append(first(()))
             rows += [conn.execute(text, values).fetchone() for text, values in steps[1:]]
     except psycopg.Error as exc:
         raise _Refused(exc, creating=False) from None

@@ -13,6 +13,7 @@ from psycopg import errors
 from jobrun import db, keys, sql
 from jobrun.db import messages
 from jobrun.escape import printable
+from jobrun.history import schema
 from jobrun.history.config import iso, pause
 from jobrun.locks import Holder
 from jobrun.locks.session import announcement
@@ -144,7 +145,7 @@ def collect(conn: Connection, labels: Sequence[str] = ()) -> Report:
     """Status of ``labels``, or of every key in history, leased or held by a jobrun session."""
     notes: list[str] = []
     unreadable: list[str] = []
-    reads = _read_at_once(conn, labels) or _read_apart(conn, labels, notes, unreadable)
+    reads = _read_at_once(conn, labels, notes) or _read_apart(conn, labels, notes, unreadable)
     history = _history(reads.history)
     leases = _leases(reads.leases)
     advisory, roles = _advisory(reads.advisory)
@@ -199,26 +200,36 @@ _ALL_READS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _read_at_once(conn: Connection, labels: Sequence[str]) -> _Reads | None:
-    """Every read in ONE message (one round trip), or None when one of them failed.
+def _read_at_once(conn: Connection, labels: Sequence[str], notes: list[str]) -> _Reads | None:
+    """Every read in ONE message (one round trip), or None when this role was refused one.
 
-    A database that never saw lease mode has no jobrun.leases: the reads that would name it
-    look for it first (a statement naming a missing table is an ERROR in the server's log).
-    Anything missing or refused is left to ``_read_apart``, which reads table by table, so
-    that a missing grant costs only that table's part.
+    The message starts with the schema's version check (once per connection): a database
+    without jobrun's schema has only advisory locks to show (one more message, there
+    only). A refusal is left to ``_read_apart``, which reads table by table, so that a
+    missing grant costs only that table's part.
     """
     params = {"all": not labels, "keys": list(labels)}
     try:
-        return _Reads(*_read_groups(conn, _ALL_READS, params))
-    except (errors.UndefinedTable, errors.InsufficientPrivilege, errors.InvalidSchemaName):
+        found = schema.readable(
+            conn, lambda check: _read_groups(conn, _ALL_READS, params, check=check)
+        )
+    except errors.InsufficientPrivilege:
         return None
+    if found is None:
+        notes.append("no run history yet (the jobrun.runs table does not exist)")
+        return _Reads(advisory=read_rows(conn, sql.STATUS_ADVISORY_LOCKS))
+    return _Reads(*found)
 
 
 def _read_groups(
-    conn: Connection, groups: Sequence[Sequence[str]], params: dict[str, Any]
+    conn: Connection,
+    groups: Sequence[Sequence[str]],
+    params: dict[str, Any],
+    *,
+    check: tuple[str, ...] = (),
 ) -> list[list[Row]]:
     """The rows of each group of statements (its last statement's), in one message."""
-    found = read_many(conn, [query for group in groups for query in group], params)
+    found = read_many(conn, [query for group in groups for query in group], params, check=check)
     rows: list[list[Row]] = []
     at = 0
     for group in groups:
@@ -230,19 +241,15 @@ def _read_groups(
 def _read_apart(
     conn: Connection, labels: Sequence[str], notes: list[str], unreadable: list[str]
 ) -> _Reads:
-    """Each table on its own: what is missing or refused is noted and left empty."""
+    """Each table on its own (the schema was checked): what is refused is noted, left empty."""
     params = {"all": not labels, "keys": list(labels)}
     reads = _Reads()
     try:
-        reads.history = _history_rows(conn, params)
-    except errors.UndefinedTable:
-        notes.append("no run history yet (the jobrun.runs table does not exist)")
+        reads.history = read_rows(conn, sql.STATUS_HISTORY, params)
     except errors.InsufficientPrivilege as exc:
         _refused("run history", exc, notes, unreadable)
     try:
         [reads.leases] = _read_groups(conn, [_ALL_READS[1]], params)
-    except errors.UndefinedTable:
-        pass
     except errors.InsufficientPrivilege as exc:
         _refused("leases", exc, notes, unreadable)
     reads.advisory = read_rows(conn, sql.STATUS_ADVISORY_LOCKS)
@@ -250,28 +257,14 @@ def _read_apart(
         controls = read_many(
             conn, [sql.STATUS_PAUSES, sql.STATUS_EXPECTATIONS, sql.STATUS_RUNNING], params
         )
-    except errors.UndefinedTable:
-        pass
     except errors.InsufficientPrivilege as exc:
         _refused("pauses and expectations", exc, notes, unreadable)
     else:
         reads.pauses, reads.expectations, reads.running = controls
     if reads.history:
-        with contextlib.suppress(errors.UndefinedTable, errors.InsufficientPrivilege):
+        with contextlib.suppress(errors.InsufficientPrivilege):
             [reads.abandoned] = _read_groups(conn, [_ALL_READS[-1]], params)
     return reads
-
-
-def _history_rows(conn: Connection, params: dict[str, Any]) -> list[Row]:
-    """Each key's state: from the summary, or from the runs where there is none yet.
-
-    A schema of an older version has no jobrun.run_keys until a run of the tables' owner
-    (or ``jobrun init``) upgrades it: ``status`` reads the runs meanwhile.
-    """
-    try:
-        return read_rows(conn, sql.STATUS_HISTORY, params)
-    except errors.UndefinedTable:
-        return read_rows(conn, status_sql.STATUS_HISTORY_RUNS, params)
 
 
 def _add_roles(rows: Iterable[KeyStatus], roles: dict[int, str]) -> None:
@@ -409,16 +402,23 @@ def read_rows(conn: Connection, query: str, params: dict[str, Any] | None = None
     return read_many(conn, [query], params or {})[0]
 
 
-def read_many(conn: Connection, queries: Sequence[str], params: dict[str, Any]) -> list[list[Row]]:
+def read_many(
+    conn: Connection,
+    queries: Sequence[str],
+    params: dict[str, Any],
+    *,
+    check: tuple[str, ...] = (),
+) -> list[list[Row]]:
     """The rows of each query, sent as ONE message with the history's timeouts first.
 
     One implicit transaction: the timeouts (local to it) end with it, and an error in any
-    statement fails the whole.
+    statement fails the whole. ``check``: the schema's version check, after the timeouts
+    (history/schema.py).
     """
     found = messages.dict_results(
-        conn, [sql.RUNS_TIMEOUTS, *queries], {**params, "ms": _STATEMENT_TIMEOUT_MS}
+        conn, [sql.RUNS_TIMEOUTS, *check, *queries], {**params, "ms": _STATEMENT_TIMEOUT_MS}
     )
-    return found[1:]
+    return found[1 + len(check) :]
 
 
 def _leases(rows: list[Row]) -> dict[int, tuple[str | None, Holder]]:

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 from psycopg import errors
 
 from jobrun import sql
+from jobrun.history import schema
 from jobrun.history.config import iso
-from jobrun.ops.status.collect import read_many, read_rows, rounded_seconds
+from jobrun.ops.status.collect import read_many, rounded_seconds
 from jobrun.sql import status as status_sql
 
 if TYPE_CHECKING:
@@ -25,24 +26,10 @@ def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]]
     the row itself says. Found in the same message: no round trip of its own.
     """
     params = {"key": label, "limit": limit, "all": False, "keys": [label]}
-    from jobrun.sql.history import RUNS_OF_KEY_NOTED  # noqa: PLC0415 - its own block
-
-    # With --coalesce's, --jitter's and --retries' columns; a history from before them
-    # (or a reader not granted them: jobrun init not run again) reads without them.
-    try:
-        for runs_of_key in (RUNS_OF_KEY_NOTED, sql.RUNS_OF_KEY):
-            try:
-                rows, _, dead = read_many(
-                    conn,
-                    [runs_of_key, status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED],
-                    params,
-                )
-                break
-            except (errors.UndefinedColumn, errors.InsufficientPrivilege):
-                if runs_of_key is sql.RUNS_OF_KEY:
-                    raise
-    except errors.UndefinedTable:
+    found = schema.readable(conn, lambda check: _runs_of_key(conn, params, check))
+    if found is None:
         return None
+    rows, _, dead = found
     abandoned = {str(run["run_id"]) for run in dead}
     for run in rows:
         if str(run["run_id"]) in abandoned:
@@ -57,6 +44,23 @@ def runs_of(conn: Connection, label: str, limit: int) -> list[dict[str, object]]
     return rows
 
 
+def _runs_of_key(
+    conn: Connection, params: dict[str, Any], check: tuple[str, ...]
+) -> list[list[dict[str, Any]]]:
+    """The key's runs with --coalesce's, --jitter's and --retries' columns where readable.
+
+    A reader granted before those columns existed (``jobrun init`` not run again since)
+    may not select them: it reads the runs without them.
+    """
+    from jobrun.sql.history import RUNS_OF_KEY_NOTED  # noqa: PLC0415 - its own block
+
+    abandoned = [status_sql.STATUS_ABANDONED_FIND, status_sql.STATUS_ABANDONED]
+    try:
+        return read_many(conn, [RUNS_OF_KEY_NOTED, *abandoned], params, check=check)
+    except errors.InsufficientPrivilege:
+        return read_many(conn, [sql.RUNS_OF_KEY, *abandoned], params, check=check)
+
+
 def overlapping(
     conn: Connection, label: str, other: str, *, since: float | None, limit: int
 ) -> list[dict[str, object]] | None:
@@ -67,10 +71,12 @@ def overlapping(
     outcome and deadlocks, and how many seconds they overlapped. None: no history table.
     """
     params = {"key": label, "other": other, "since": since, "limit": limit}
-    try:
-        rows = read_rows(conn, sql.RUNS_OVERLAPPING, params)
-    except errors.UndefinedTable:
+    found = schema.readable(
+        conn, lambda check: read_many(conn, [sql.RUNS_OVERLAPPING], params, check=check)
+    )
+    if found is None:
         return None
+    [rows] = found
     for pair in rows:
         for side in ("", "other_"):
             pair[f"{side}run_id"] = str(pair[f"{side}run_id"])
