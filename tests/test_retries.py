@@ -261,25 +261,35 @@ class TestRefused:
 
 
 class TestOlderHistory:
-    def test_a_role_that_cannot_add_the_columns_still_records_its_run(self, teams, tmp_path):
-        """A history from before the columns, a granted role: the row, without the attempts."""
+    def test_a_role_that_cannot_upgrade_still_runs_and_the_owners_upgrade_adds_them(
+        self, teams, tmp_path
+    ):
+        """A history from before the columns (schema step 1), a granted role: it runs."""
         with psycopg.connect(teams.owner, autocommit=True) as conn:
             conn.execute(
-                "ALTER TABLE jobrun.runs DROP COLUMN attempts, DROP COLUMN attempt_exit_codes"
+                "ALTER TABLE jobrun.runs DROP COLUMN attempts, DROP COLUMN attempt_exit_codes;"
+                "UPDATE jobrun.schema_version SET version = 1"
             )
+        child = attempt_child(tmp_path / "spans", tmp_path / "n", [1])
         result = jobrun_cli.run(
-            "--key", "a-old", "--retries", "1", "--retry-delay", "10ms", "--",
-            *attempt_child(tmp_path / "spans", tmp_path / "n", [1]), dsn=teams.a,
+            "--key", "a-old", "--retries", "1", "--retry-delay", "10ms", "--", *child,
+            dsn=teams.a,
         )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        with psycopg.connect(teams.owner) as conn:
-            row = conn.execute(
-                "SELECT outcome, exit_code FROM jobrun.runs WHERE key = 'a-old'"
-            ).fetchone()
-        assert row == ("succeeded", 0)
+        assert result.returncode == 0, result.stderr  # the child ran, retried, under the lock
+        # The owner's next run upgrades the schema (step 2 adds the columns) ...
+        owner = jobrun_cli.run("--key", "a-owner", "--", "true", dsn=teams.owner)
+        assert owner.returncode == 0, owner.stderr
+        # ... and the team's runs record their attempts again.
+        child = attempt_child(tmp_path / "spans2", tmp_path / "n2", [1])
+        again = jobrun_cli.run(
+            "--key", "a-old", "--retries", "1", "--retry-delay", "10ms", "--", *child,
+            dsn=teams.a,
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr
         shown = jobrun_cli.run("history", "a-old", "--json", dsn=teams.owner)
         assert shown.returncode == 0, shown.stderr
-        assert [run["outcome"] for run in json.loads(shown.stdout)] == ["succeeded"]
+        newest = json.loads(shown.stdout)[0]
+        assert (newest["outcome"], newest["attempts"]) == ("succeeded", 2), newest
 
     def test_history_shows_the_attempts(self, dsn, key, tmp_path):
         result = jobrun_cli.run(
