@@ -12,9 +12,18 @@ from jobrun.exitcodes import Exit, UsageError
 from jobrun.flags import Duration, Option
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
+
+    # What the type checker sees: Settings is a dataclass (at run time, once imported).
+    from dataclasses import dataclass as _dataclass_when_imported
 
     from jobrun import keys
+else:
+
+    def _dataclass_when_imported(**_: Any) -> Callable[[type], type]:
+        """The class as written: ``__getattr__`` makes it a dataclass when first imported."""
+        return lambda cls: cls
+
 
 #: Field metadata: the option a field of Settings is read from.
 OPTION = "jobrun.option"
@@ -57,7 +66,7 @@ LOCK_IDS = Option(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@_dataclass_when_imported(frozen=True)
 class Settings:
     """A run's options, checked against each other (durations in seconds).
 
@@ -243,9 +252,7 @@ class Settings:
     @classmethod
     def declarations(cls) -> tuple[Option, ...]:
         """The options a field is read from, in the order of the fields (and of --help)."""
-        return tuple(
-            field.metadata[OPTION] for field in dataclasses.fields(cls) if OPTION in field.metadata
-        )
+        return declarations()
 
     @classmethod
     def from_params(
@@ -285,6 +292,40 @@ class Settings:
             dsn_on_command_line=dsn_on_command_line,
             lifetime=lifetime,
         )
+
+
+#: Settings as written, before it is made a dataclass (``__getattr__``).
+_AS_WRITTEN: type = Settings
+#: Each field's option, in the order of the fields, read from the class as written.
+_DECLARATIONS = tuple(
+    value.metadata[OPTION]
+    for value in vars(Settings).values()
+    if isinstance(value, dataclasses.Field) and OPTION in value.metadata
+)
+if not TYPE_CHECKING:
+    # WARNING: made a dataclass only when imported (``from jobrun.run.settings import
+    # Settings``). Generating the methods of a dataclass of sixty fields (compiling their
+    # source) is a third of what ``jobrun --help`` costs beyond click: it needs only the
+    # declarations. Nothing in this module may name Settings at run time but the classmethods
+    # (through ``cls``).
+    del Settings
+
+
+def __getattr__(name: str) -> Any:
+    """``Settings``, made a dataclass the first time it is asked for."""
+    if name == "Settings":
+        made: type = dataclasses.dataclass(frozen=True)(_AS_WRITTEN)
+        globals()[name] = made
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def declarations() -> tuple[Option, ...]:
+    """The options a field of Settings is read from, in the order of the fields (and of --help).
+
+    Without making Settings a dataclass (``jobrun --help`` needs only these).
+    """
+    return _DECLARATIONS
 
 
 def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
