@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -31,12 +30,22 @@ OPTION = "jobrun.option"
 SESSION_HEARTBEAT = 1.0
 
 
+class _Declared:
+    """A field of Settings as written: the option it is read from (a dataclass field later)."""
+
+    __slots__ = ("declaration", "secret")
+
+    def __init__(self, declaration: Option, *, secret: bool) -> None:
+        self.declaration = declaration
+        self.secret = secret
+
+
 def declared(declaration: Option, *, secret: bool = False) -> Any:
     """A field of Settings read from ``declaration`` (its default is the option's).
 
     ``secret``: a value that may carry a password or token, never shown in the repr.
     """
-    return dataclasses.field(metadata={OPTION: declaration}, repr=not secret)
+    return _Declared(declaration, secret=secret)
 
 
 def option(
@@ -298,26 +307,32 @@ class Settings:
 _AS_WRITTEN: type = Settings
 #: Each field's option, in the order of the fields, read from the class as written.
 _DECLARATIONS = tuple(
-    value.metadata[OPTION]
-    for value in vars(Settings).values()
-    if isinstance(value, dataclasses.Field) and OPTION in value.metadata
+    value.declaration for value in vars(Settings).values() if isinstance(value, _Declared)
 )
 if not TYPE_CHECKING:
     # WARNING: made a dataclass only when imported (``from jobrun.run.settings import
-    # Settings``). Generating the methods of a dataclass of sixty fields (compiling their
-    # source) is a third of what ``jobrun --help`` costs beyond click: it needs only the
-    # declarations. Nothing in this module may name Settings at run time but the classmethods
-    # (through ``cls``).
+    # Settings``): importing dataclasses and generating the methods of a dataclass of some
+    # forty fields (compiling their source) was a third of what ``jobrun --help`` cost
+    # beyond click, and --help needs only the declarations. Nothing in this module may
+    # name Settings at run time but its classmethods (through ``cls``).
     del Settings
 
 
 def __getattr__(name: str) -> Any:
     """``Settings``, made a dataclass the first time it is asked for."""
-    if name == "Settings":
-        made: type = dataclasses.dataclass(frozen=True)(_AS_WRITTEN)
-        globals()[name] = made
-        return made
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "Settings":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import dataclasses  # noqa: PLC0415 - see above
+
+    for field, value in list(vars(_AS_WRITTEN).items()):
+        if isinstance(value, _Declared):
+            made_field = dataclasses.field(
+                metadata={OPTION: value.declaration}, repr=not value.secret
+            )
+            setattr(_AS_WRITTEN, field, made_field)
+    made: type = dataclasses.dataclass(frozen=True)(_AS_WRITTEN)
+    globals()[name] = made
+    return made
 
 
 def declarations() -> tuple[Option, ...]:
