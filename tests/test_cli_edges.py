@@ -232,6 +232,8 @@ class TestSubcommandsLoadWhenUsed:
         imported = self._imported(*argv)
         assert not imported & set(self.SUBCOMMAND_MODULES)
         assert ("jobrun.cli.tools" in imported) == (argv[0] == "key")
+        # A subcommand written first parses none of the run's options: they are not made.
+        assert ("jobrun.run.settings" in imported) == (argv[0] == "--help")
 
     #: Modules only some runs need: each is imported by the option (or mode) that uses it.
     OPTIONAL_RUN_MODULES = (
