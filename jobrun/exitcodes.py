@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import signal
 
 
 class Exit(enum.IntEnum):
@@ -195,6 +194,10 @@ class Interrupted(JobrunError):
     event = "interrupted"
 
     def __init__(self, signum: int, detail: str = "") -> None:
+        # Imported here: its enums cost `jobrun key` and `--help` for nothing. Whoever
+        # catches a signal has imported it already (no import inside a handler).
+        import signal  # noqa: PLC0415
+
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}{': ' + detail if detail else ''}")
         self.signum = signum

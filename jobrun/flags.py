@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -236,27 +235,68 @@ def option(*names: str, **kwargs: Any) -> Callable[[Any], Any]:
     return click.option(*names, cls=JobrunOption, **kwargs)
 
 
-@dataclasses.dataclass(frozen=True)
+#: Option's fields, in the order of its arguments.
+_FIELDS = ("flag", "kind", "default", "help", "name", "metavar", "multiple", "is_flag", "variable")
+
+
 class Option:
     """One option declared once: flag, kind of value, default, help; its variable follows.
 
     The variable is JOBRUN_ and the flag's name (``--kill-after``: JOBRUN_KILL_AFTER). A
     command that needs another default or help says so with :meth:`but`, on the same
-    declaration. Used as a decorator, it adds itself to a click command.
+    declaration. Used as a decorator, it adds itself to a click command. Immutable.
+
+    A class of its own rather than a dataclass: making a dataclass compiles its generated
+    methods, a few milliseconds of every start (``jobrun key``, ``--help``) for nothing.
     """
+
+    __slots__ = _FIELDS
 
     flag: str
     #: The kind of value (None: text; ``is_flag``: a boolean switch).
-    kind: click.ParamType[Any] | None = None
-    default: Any = None
-    help: str = ""
+    kind: click.ParamType[Any] | None
+    default: Any
+    help: str
     #: The parameter's name, where it is not the flag's (``--key``: ``key_names``).
-    name: str | None = None
-    metavar: str | None = None
-    multiple: bool = False
-    is_flag: bool = False
+    name: str | None
+    metavar: str | None
+    multiple: bool
+    is_flag: bool
     #: False: no environment variable (an option whose value means something else there).
-    variable: bool = True
+    variable: bool
+
+    def __init__(
+        self,
+        flag: str,
+        kind: click.ParamType[Any] | None = None,
+        *,
+        default: Any = None,
+        help: str = "",  # noqa: A002 - click's name for it
+        name: str | None = None,
+        metavar: str | None = None,
+        multiple: bool = False,
+        is_flag: bool = False,
+        variable: bool = True,
+    ) -> None:
+        values = (flag, kind, default, help, name, metavar, multiple, is_flag, variable)
+        for field, value in zip(_FIELDS, values, strict=True):
+            object.__setattr__(self, field, value)
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, field) for field in _FIELDS)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Option is immutable: {name} is set with but()")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Option and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS)
+        return f"Option({fields})"
 
     @property
     def envvar(self) -> str | None:
@@ -272,7 +312,7 @@ class Option:
 
     def but(self, **changes: Any) -> Option:
         """The same option with another default, help... for one command."""
-        return dataclasses.replace(self, **changes)
+        return Option(**{**dict(zip(_FIELDS, self._values(), strict=True)), **changes})
 
     def __call__(self, command: Any) -> Any:
         """Add the option to ``command`` (a click command, or its function)."""

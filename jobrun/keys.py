@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import unicodedata
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from jobrun.exitcodes import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MAX_KEY_CHARS = 200
 LOCK_ID_MIN = -(2**63)
@@ -42,10 +46,27 @@ def lock_id_for(name: str) -> int:
     WARNING: this mapping is a public contract (it is in the README and pinned by test
     vectors); changing it would let old and new jobrun versions run the same job at once.
     """
-    import hashlib  # noqa: PLC0415 - OpenSSL's load costs --help and --version 4 ms for nothing
-
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    digest = _sha256()(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _sha256() -> Callable[[bytes], Any]:
+    """SHA-256 from the interpreter's own module where it has one, else from hashlib.
+
+    The same digest either way; ``hashlib`` loads OpenSSL first, a few milliseconds that
+    ``jobrun key`` (a run imports psycopg, which loads it anyway) pays for nothing.
+    """
+    with contextlib.suppress(ImportError):
+        from _sha2 import sha256  # type: ignore[import-not-found]  # noqa: PLC0415 - 3.12+
+
+        return sha256  # type: ignore[no-any-return]
+    with contextlib.suppress(ImportError):
+        from _sha256 import sha256  # type: ignore[import-not-found]  # noqa: PLC0415 - 3.11
+
+        return sha256  # type: ignore[no-any-return]
+    import hashlib  # noqa: PLC0415 - OpenSSL's load: only where the interpreter has no own
+
+    return hashlib.sha256
 
 
 #: Unicode categories a key name may not contain: control (Cc), format (Cf: zero-width

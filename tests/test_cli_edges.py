@@ -108,7 +108,9 @@ sys.meta_path.insert(0, SigintAtImport())
 class TestSignalsAtStartUp:
     """Ctrl-C while jobrun is still importing: exit 130, no traceback."""
 
-    @pytest.mark.parametrize("module", ["jobrun.__main__", "signal", "click", "jobrun.cli.main"])
+    @pytest.mark.parametrize(
+        "module", ["jobrun.__main__", "click", "jobrun.cli.main", "jobrun.keys"]
+    )
     @pytest.mark.parametrize("entry", ["module", "script"])
     def test_ctrl_c_during_an_import(self, tmp_path, module, entry):
         """SIGINT delivered at the import of MODULE ends jobrun with 130 and nothing printed."""
@@ -236,6 +238,8 @@ class TestSubcommandsLoadWhenUsed:
         imported = self._imported(*argv)
         assert not imported & set(self.SUBCOMMAND_MODULES)
         assert ("jobrun.cli.tools" in imported) == (argv[0] == "key")
+        # A subcommand written first parses none of the run's options: they are not made.
+        assert ("jobrun.run.settings" in imported) == (argv[0] == "--help")
 
     #: Modules only some runs need: each is imported by the option (or mode) that uses it.
     OPTIONAL_RUN_MODULES = (

@@ -7,7 +7,7 @@ import pytest
 import structlog
 
 from jobrun import db, keys
-from jobrun.db.server_session import ServerSession
+from jobrun.db.server_session import CarriedRelease, ServerSession
 from jobrun.history.calls import Calls
 from jobrun.locks import Holder, Identity, Lock, Taken, new_run_id
 from jobrun.locks.lease import LeaseLock
@@ -185,3 +185,37 @@ class TestSessionAcquisitionMessage:
         finally:
             lock.release()
             session.close()
+
+
+class TestCarriedRelease:
+    """The one channel: registered by the lock, taken by one message, kept if it failed."""
+
+    def test_a_message_that_went_through_releases_once(self):
+        released: list[str] = []
+        channel = CarriedRelease()
+        channel.register("SELECT 1", lambda: released.append("done"), after_commit=True)
+        with channel.sending() as release:
+            assert release is not None
+            assert (release.statements, release.after_commit) == ("SELECT 1", True)
+            assert released == []  # not before the message went through
+        assert released == ["done"]
+        with channel.sending() as release:
+            assert release is None  # sent once, never twice
+
+    def test_a_failed_message_keeps_it_for_a_retry_or_the_lock(self):
+        released: list[str] = []
+        channel = CarriedRelease()
+        channel.register("SELECT 1", lambda: released.append("done"))
+        with pytest.raises(psycopg.OperationalError), channel.sending():
+            raise psycopg.OperationalError("the message failed")
+        assert released == []
+        with channel.sending() as release:
+            assert release is not None
+        assert released == ["done"]
+
+    def test_withdrawn_it_rides_on_nothing(self):
+        channel = CarriedRelease()
+        channel.register("SELECT 1", lambda: None)
+        channel.withdraw()
+        with channel.sending() as release:
+            assert release is None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -11,12 +13,12 @@ import psycopg
 import pytest
 
 from harness import jobrun_cli
+from harness.bench import run_by_hand
 from harness.delay_proxy import DelayProxy
 from harness.pgserver import PgServer
 from harness.statement_log import LOG_SETTINGS, Calls, StatementLog
 
 if TYPE_CHECKING:
-    import subprocess
     from collections.abc import Iterator
     from pathlib import Path
 
@@ -127,6 +129,35 @@ class TestSessionMode:
         finally:
             jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
         assert calls == SESSION_SKIP, calls.explain()
+
+    def test_skip_costs_no_more_than_the_floor(self, logged_server, key, tmp_path):
+        """A skip, as a distant network sees it: no more round trips than the floor script.
+
+        The floor (benchmarks/bench_latency.py's) connects, tries an advisory lock and
+        unlocks it by hand. A skip connects, tries the lock (the holder named in the same
+        message) and writes its row: a statement more on the skip's path, a Terminate that
+        waits, or a second connection fails here. Both over the same proxy, with the same
+        DSN: the handshake (TCP, the SSL request, start-up) costs both the same.
+        """
+        holder = held(logged_server, tmp_path, *SESSION_BEATS, "--key", key)
+        try:
+            with DelayProxy(logged_server.host, logged_server.port, 0.0).start() as proxy:
+                proxied = proxy.dsn_for(dsn(logged_server))
+                floor = subprocess.run(
+                    [sys.executable, "-c", run_by_hand()],
+                    env=jobrun_cli.environment(proxied),
+                    capture_output=True, text=True, timeout=60, check=False,
+                )  # fmt: skip
+                assert floor.returncode == 0, floor.stderr
+                floor_trips, floor_conns = proxy.round_trips, proxy.accepted
+                skip = jobrun_cli.run("--key", key, "--", "true", dsn=proxied)
+                assert skip.returncode == 75, skip.stderr
+                assert '"skipped"' in skip.stderr  # its log line
+                trips, conns = proxy.round_trips - floor_trips, proxy.accepted - floor_conns
+        finally:
+            jobrun_cli.signal_and_wait(holder, signal.SIGTERM)
+        assert (floor_conns, conns) == (1, 1)
+        assert trips <= floor_trips, (trips, floor_trips)
 
 
 class TestRunOptions:

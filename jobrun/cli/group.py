@@ -12,16 +12,17 @@ from click import formatting
 
 from jobrun.cli.subcommands import SUBCOMMANDS
 from jobrun.exitcodes import UsageError
-from jobrun.flags import SUBCOMMAND_FOLLOWS
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
+    from collections.abc import Callable, Collection
 
 #: ctx.meta keys: the guarded command's argv; the group's options given before a subcommand;
 #: set when jobrun was started with no argument at all.
 ARGV = "jobrun.argv"
 BEFORE = "jobrun.before"
 BARE = "jobrun.bare"
+#: Set while the group parses ``SUBCOMMAND ...``: nothing before it, no option to parse.
+_ALONE = "jobrun.subcommand_alone"
 #: The group's options that name the keys of a run.
 KEY_OPTIONS = ("key_names", "lock_ids")
 
@@ -73,9 +74,41 @@ class JobrunGroup(click.Group):
     Options written before a subcommand are handed to it (see Subcommand); the group's
     environment variables are not read then, since they configure a run. A subcommand's
     module is imported when the subcommand is used (jobrun.cli.subcommands).
+
+    ``run_options``: makes the run's options, the first time ``params`` is read. A
+    subcommand written first (``jobrun key NAME``) is parsed without them: the many options
+    of a run, and the settings they are declared in, are then never made.
     """
 
     context_class = Context
+
+    def __init__(
+        self,
+        *args: Any,
+        run_options: Callable[[], list[click.Parameter]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._run_options = run_options
+        self._params: list[click.Parameter] = []
+        super().__init__(*args, **kwargs)
+
+    @property
+    def params(self) -> list[click.Parameter]:
+        """The group's own options (--version), then the run's, made now if not yet."""
+        if self._run_options is not None:
+            made, self._run_options = self._run_options, None
+            self._params.extend(made())
+        return self._params
+
+    @params.setter
+    def params(self, value: list[click.Parameter]) -> None:
+        self._params = value
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        """The options to parse: none with a subcommand first (nothing precedes it)."""
+        if ctx.meta.get(_ALONE):
+            return []
+        return super().get_params(ctx)
 
     def list_commands(self, ctx: click.Context) -> list[str]:  # noqa: ARG002 - click's signature
         """Every subcommand's name, none of them imported."""
@@ -108,6 +141,15 @@ class JobrunGroup(click.Group):
         """Take ``-- COMMAND...`` aside, or note the options given before a subcommand."""
         if not args:
             ctx.meta[BARE] = True
+        elif args[0] in SUBCOMMANDS or args[0] in self.commands:
+            # `jobrun SUBCOMMAND ...`: no option of the group's to parse, none to make.
+            ctx.meta[_ALONE] = True
+            try:
+                return super().parse_args(ctx, args)
+            finally:
+                del ctx.meta[_ALONE]
+        from jobrun.flags import SUBCOMMAND_FOLLOWS
+
         split = args.index("--") if "--" in args else len(args)
         opts, positional, _ = self.make_parser(ctx).parse_args(args=list(args[:split]))
         if positional:  # `jobrun [OPTIONS] SUBCOMMAND ...`

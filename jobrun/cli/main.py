@@ -55,10 +55,12 @@ def _interruptible() -> None:
     Until now jobrun/__init__ ended the process at once on SIGINT (nothing was started).
     A SIGINT that was ignored when jobrun started (nohup) stays ignored.
     """
-    import signal
+    # `_signal`, built into the interpreter, not `signal`: that module makes its enums when
+    # imported, a few milliseconds of `jobrun key` and `jobrun --help` for nothing.
+    import _signal  # type: ignore[import-not-found]
 
-    if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
-        signal.signal(signal.SIGINT, _raise_exit)
+    if _signal.getsignal(SIGINT) not in (_signal.SIG_IGN, None):
+        _signal.signal(SIGINT, _raise_exit)
 
 
 def _raise_exit(signum: int, _frame: object) -> None:

@@ -7,29 +7,43 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
-from jobrun import __version__, flags
+from jobrun import __version__
 from jobrun.cli.group import ARGV, BARE, PLACEMENT_RULE, JobrunGroup
 from jobrun.exitcodes import Exit, UsageError
-from jobrun.run.settings import KEY_NAMES, LOCK_IDS, Settings
 
 if TYPE_CHECKING:
     from jobrun import keys  # here, not with the module: --help has no use for it
 
-__all__ = ["KEY_VARIABLES", "Settings", "cli"]
+__all__ = ["cli", "run_options"]
 
-#: Variables of the run's keys, and the option each stands for.
-KEY_VARIABLES = {option.param_name: option.envvar for option in (KEY_NAMES, LOCK_IDS)}
+
+def run_options() -> list[click.Parameter]:
+    """The run's options, made from their declarations (jobrun.run.settings).
+
+    Made when the group's options are first asked for: ``jobrun SUBCOMMAND ...`` with no
+    option before the subcommand never needs them, and making them (with the settings they
+    come from) is most of what ``jobrun key NAME`` would cost beyond click itself.
+    """
+    from jobrun import flags
+    from jobrun.run.settings import KEY_NAMES, LOCK_IDS, declarations
+
+    def holder() -> None:
+        pass
+
+    flags.stack(KEY_NAMES, LOCK_IDS, *declarations())(holder)
+    # In the order written (click's own decorators collect them last first).
+    return list(reversed(holder.__click_params__))  # type: ignore[attr-defined]
 
 
 @click.group(
     cls=JobrunGroup,
+    run_options=run_options,
     invoke_without_command=True,
     subcommand_metavar="-- COMMAND [ARGS]... | SUBCOMMAND [ARGS]...",
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
     epilog=PLACEMENT_RULE,
 )
 @click.version_option(__version__, "--version", prog_name="jobrun", message="%(prog)s %(version)s")
-@flags.stack(KEY_NAMES, LOCK_IDS, *Settings.declarations())
 @click.pass_context
 def cli(ctx: click.Context, /, **params: Any) -> int | None:
     """Run COMMAND at most once at a time, guarded by a PostgreSQL lock.
@@ -57,6 +71,8 @@ def cli(ctx: click.Context, /, **params: Any) -> int | None:
         raise UsageError("no command given: jobrun --key NAME -- COMMAND [ARGS]...")
     if not argv[0]:
         raise UsageError("the command after '--' is an empty string")
+    from jobrun.run.settings import Settings
+
     run_keys = _keys(ctx, params["key_names"], params["lock_ids"])
     fence = params["fence"] or _old_fence_variable(ctx)
     settings = Settings.from_params(
@@ -84,6 +100,8 @@ def _old_fence_variable(ctx: click.Context) -> bool:
     """
     import os
 
+    from jobrun import flags
+
     raw = os.environ.get(flags.OLD_FENCE_VARIABLE)
     if raw is None or ctx.get_parameter_source("fence") != ParameterSource.DEFAULT:
         return False
@@ -105,7 +123,10 @@ def _keys(
     just the keys it is given. A bad value from a variable is reported under its name.
     """
     from jobrun import keys
+    from jobrun.run.settings import KEY_NAMES, LOCK_IDS
 
+    #: Variables of the run's keys, and the option each stands for.
+    variables = {option.param_name: option.envvar for option in (KEY_NAMES, LOCK_IDS)}
     given = {"key_names": key_names, "lock_ids": lock_ids}
     sources = {name: ctx.get_parameter_source(name) for name in given}
     if ParameterSource.COMMANDLINE in sources.values():
@@ -115,7 +136,7 @@ def _keys(
     for name, values in given.items():
         if sources[name] == ParameterSource.ENVIRONMENT and values:
             try:
-                keys.resolve(*(values if n == name else () for n in KEY_VARIABLES))
+                keys.resolve(*(values if n == name else () for n in variables))
             except UsageError as exc:
-                raise UsageError(f"{KEY_VARIABLES[name]}: {exc}") from None
+                raise UsageError(f"{variables[name]}: {exc}") from None
     return keys.resolve(given["key_names"], given["lock_ids"])

@@ -71,34 +71,8 @@ class ServerSession:
         self._deadlines: dict[object, float] = {}
         self._guard: threading.Thread | None = None
         self._changed = threading.Condition()
-        #: The lock's release as SQL (bound), to close the run's last history message.
-        self._ending: Ending | None = None
-
-    def end_with(
-        self,
-        statements: str | None,
-        done: Callable[[], None] = lambda: None,
-        *,
-        after_commit: bool = False,
-    ) -> None:
-        """Let the run's last history message carry the release (None: it may not).
-
-        ``statements`` (bound already) run after the history's; ``done`` is called once that
-        message went through: the lock is then released. If it fails, nothing was released
-        and the lock's own ``release`` does it. ``after_commit``: the history's statements
-        must be committed before ``statements`` run (a session lock is no part of a
-        transaction): the message then opens a transaction of its own and commits it.
-        """
-        self._ending = None if statements is None else Ending(statements, done, after_commit)
-
-    def take_ending(self) -> Ending | None:
-        """The release to send with the run's last history message, once (None: none)."""
-        ending, self._ending = self._ending, None
-        return ending
-
-    def restore_ending(self, ending: Ending) -> None:
-        """Put back an ending whose message failed: for a retry, or the lock's own release."""
-        self._ending = ending
+        #: The lock's release, sent with the run's last history message (``CarriedRelease``).
+        self.carried_release = CarriedRelease()
 
     def open(self) -> Connection:
         """The session's connection: the one open (held or kept), or a new one."""
@@ -257,8 +231,8 @@ class ServerSession:
 
 
 @dataclass(frozen=True)
-class Ending:
-    """The lock's release, sent at the end of the run's last history message."""
+class Release:
+    """A lock's release as SQL, to run at the end of the run's last history message."""
 
     #: Bound SQL, run after the history's statements.
     statements: str
@@ -266,6 +240,75 @@ class Ending:
     done: Callable[[], None]
     #: The history's statements are committed first (BEGIN ... COMMIT around them).
     after_commit: bool = False
+
+
+class CarriedRelease:
+    """The one channel by which a lock's release rides on the run's last history message.
+
+    A run ends with two messages to the server: its end row, then the lock's release. Sent
+    as one, they cost one round trip instead of two (a host far from the database pays
+    30-150 ms for each). This object, owned by the run's session, is where that happens,
+    and the only place:
+
+    - the lock registers its release here once it holds every key (``register``), and
+      withdraws it when it must release on its own (``withdraw``: its ``release`` is called
+      first, or a ``--min-hold`` keeps the lock past the end row);
+    - the history's last call (``history.calls``, ``last=True``) asks for it explicitly
+      (``sending``) and appends it to its message; once that message went through, the
+      lock is released and ``done`` says so to the lock. A message that failed released
+      nothing: the release stays registered, for the call's retry or the lock's own
+      ``release``.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Release | None = None
+
+    def register(
+        self, statements: str, done: Callable[[], None], *, after_commit: bool = False
+    ) -> None:
+        """Let the run's last history message carry this release.
+
+        ``statements`` (bound already) run after the history's; ``done`` is called once that
+        message went through. ``after_commit``: the history's statements must be committed
+        before ``statements`` run (a session lock is no part of a transaction): the message
+        then opens a transaction of its own and commits it.
+        """
+        self._pending = Release(statements, done, after_commit)
+
+    def withdraw(self) -> None:
+        """No history message may carry the release any more: the lock sends it itself."""
+        self._pending = None
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """The release registered now stays so while another lock of the session lets go.
+
+        (``--coalesce``: the queue slot, released once the key is held, must not withdraw
+        the key's own release from the run's last message.)
+        """
+        pending = self._pending
+        try:
+            yield
+        finally:
+            self._pending = pending
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[Release | None]:
+        """The release to append to one message (None: none registered).
+
+        Taken for the message's time: the block ends without an exception once the message
+        went through (the release is then done and gone); after an exception nothing was
+        released, and it is put back.
+        """
+        release, self._pending = self._pending, None
+        try:
+            yield release
+        except BaseException:
+            if release is not None:
+                self._pending = release
+            raise
+        if release is not None:
+            release.done()
 
 
 def _learned(conn: Connection) -> Connection:

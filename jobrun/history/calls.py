@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from structlog.typing import FilteringBoundLogger
 
-    from jobrun.db.server_session import Ending, ServerSession
+    from jobrun.db.server_session import Release, ServerSession
 
     Connection = psycopg.Connection[Any]
     Rows = list[dict[str, Any]]
@@ -101,8 +101,8 @@ class Calls:
         A missing table or column (a fresh database, an older jobrun's table) is created
         and the call sent again, once. ``without_control``: the same call without the
         operators' tables (pauses, expectations), sent when this role is refused them.
-        ``last``: the run's last call, which carries the lock's release where the lock left
-        it one on the run's session (``ServerSession.end_with``): no round trip of its own.
+        ``last``: the run's last call, which carries the lock's release where the lock
+        registered one (``ServerSession.carried_release``): no round trip of its own.
         ``otherwise``: the call without an extra it carries (a failed run's output tails),
         sent when the server refused the call (a role that may not add the tails' columns
         must not lose its end row to them). ``retry``: a call whose connection failed (a
@@ -240,18 +240,13 @@ class Calls:
             with session.use(self._timeout + SILENCE_GRACE) as conn:
                 self._on_lock_session = conn is not None and session.held
                 if conn is not None:
-                    ending = session.take_ending() if last else None
-                    try:
-                        rows = self._send(
-                            conn, statements, params, prefix=session.comment, ending=ending
+                    if not last:
+                        return self._send(conn, statements, params, prefix=session.comment)
+                    # The one place the lock's release is sent with the history's message.
+                    with session.carried_release.sending() as release:
+                        return self._send(
+                            conn, statements, params, prefix=session.comment, release=release
                         )
-                    except BaseException:
-                        if ending is not None:  # not released: for a retry, or the lock
-                            session.restore_ending(ending)
-                        raise
-                    if ending is not None:
-                        ending.done()  # the message went through: so did the release
-                    return rows
         # No session open: lease mode holds none while the child runs, or the lock session
         # is gone (and the lock with it). Session mode then opens its one second session:
         # without it a run whose lock was lost would stay "running" in the history, for the
@@ -273,7 +268,7 @@ class Calls:
         params: Mapping[str, object],
         *,
         prefix: str = "",
-        ending: Ending | None = None,
+        release: Release | None = None,
     ) -> list[Rows]:
         share_ms = max(1, int(self._timeout * 1000 / len(statements)))
         values = {**params, "ms": str(share_ms)}
@@ -283,7 +278,7 @@ class Calls:
         # sent again, once.
         check = schema.prefix(conn, writes=writes)
         try:
-            found = self._message(conn, check, statements, values, prefix=prefix, ending=ending)
+            found = self._message(conn, check, statements, values, prefix=prefix, release=release)
         except psycopg.Error as exc:
             refused = schema.too_new(exc)
             if refused is not None:
@@ -294,7 +289,7 @@ class Calls:
                 return [[] for _ in statements]
             self.round_trips += 1
             schema.ensure(conn, timeout_ms=int(self._timeout * 1000))
-            return self._message(conn, (), statements, values, prefix=prefix, ending=ending)
+            return self._message(conn, (), statements, values, prefix=prefix, release=release)
         if check:
             schema.passed(conn, writes=writes)
         return found[len(check) :]
@@ -307,24 +302,24 @@ class Calls:
         values: Mapping[str, object],
         *,
         prefix: str,
-        ending: Ending | None,
+        release: Release | None,
     ) -> list[Rows]:
         """The call as ONE message (``check`` first): the rows of each statement."""
         # Bound on the client: a percent sign in the prefix (a host name) must be doubled,
-        # and so must one in the ending (bound already: a literal may hold one).
+        # and so must one in the release (bound already: a literal may hold one).
         body = ";\n".join((sql.RUNS_TIMEOUTS, *check, *statements))
-        opened = ending is not None and ending.after_commit
+        opened = release is not None and release.after_commit
         if opened:
             # WARNING: a COMMIT of the implicit transaction a message runs in makes the
             # server log "WARNING: there is no transaction in progress" on every run: the
             # message opens its transaction itself, so the COMMIT ends one that exists.
             body = f"BEGIN;\n{body};\nCOMMIT"
         message = prefix.replace("%", "%%") + body
-        if ending is not None:
+        if release is not None:
             # After the history's statements, so only once they went through: a statement
             # that fails ends the message before the release (the lock's own release then
             # does it), and the end row is never missing while the lock is free.
-            message += ";\n" + ending.statements.replace("%", "%%")
+            message += ";\n" + release.statements.replace("%", "%%")
         self.round_trips += 1
         return self._results(conn, message, values, opened=opened)
 

@@ -247,7 +247,7 @@ class LeaseLock:
             # The run's end row carries the release (one message, one transaction: the
             # lease goes as the row is written); else ``release`` sends it on its own.
             release = psycopg.ClientCursor(conn).mogrify(sql.LEASE_RELEASE, self._params)
-            self._session.end_with(release, self._released_with_end)
+            self._session.carried_release.register(release, self._released_with_end)
             return None
         if taken is None:
             return self._session_holder(conn)
@@ -423,7 +423,7 @@ class LeaseLock:
 
         On the run's session if it is open (the end row's), else on a connection of its own.
         """
-        self._session.end_with(None)  # not sent with the run's end row: now
+        self._session.carried_release.withdraw()  # not with the run's end row: now
         if not self._held:
             return
         self._held = False
@@ -438,7 +438,7 @@ class LeaseLock:
             )
 
     def _released_with_end(self) -> None:
-        """The run's end row's message deleted our leases (``ServerSession.end_with``)."""
+        """The run's end row's message deleted our leases (``CarriedRelease``)."""
         self._held = False
 
     def _delete(self, conn: psycopg.Connection[tuple[object, ...]] | None) -> None:

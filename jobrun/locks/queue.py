@@ -214,17 +214,17 @@ class CoalesceLock:
         """Give the queue slot back (nothing if we never held it).
 
         ``keep_ending``: the key is ours, and its release still rides with the run's last
-        history message (the slot's own release would otherwise cancel that).
+        history message (session.carried_release; the slot's own release would otherwise
+        withdraw it).
         """
         if not self._queued:
             return
         self._queued = False
-        ending = self._session.take_ending() if keep_ending else None
-        try:
+        if keep_ending:
+            with self._session.carried_release.kept():
+                self._queue.release()
+        else:
             self._queue.release()
-        finally:
-            if ending is not None:
-                self._session.restore_ending(ending)
 
     def check(self) -> dict[str, object] | None:
         """The key's lock's check."""

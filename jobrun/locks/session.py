@@ -229,7 +229,7 @@ class SessionLock:
             f"SELECT pg_catalog.pg_advisory_unlock({int(key.lock_id)})"
             for key in reversed(self._held)
         )
-        self._session.end_with(unlocks, self._held.clear, after_commit=True)
+        self._session.carried_release.register(unlocks, self._held.clear, after_commit=True)
         return Taken(confirmed_at)
 
     def _take_all(self, conn: psycopg.Connection[tuple[object, ...]], wait: float) -> Key | None:
@@ -355,7 +355,7 @@ class SessionLock:
         The session stays open (the run closes it): a ``--slots`` run tries the next slot
         on it.
         """
-        self._session.end_with(None)  # not sent with the history's last message: now
+        self._session.carried_release.withdraw()  # not with the history's last message: now
         conn = self._session.connection()
         if conn is not None:
             for key in reversed(self._held):

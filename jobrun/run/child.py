@@ -178,7 +178,7 @@ class ChildRun:
             self.session.resume(self.log)
         else:
             # The end row may not carry the release: the lock is still ours during the hold.
-            self.session.end_with(None)
+            self.session.carried_release.withdraw()
 
 
 @dataclass

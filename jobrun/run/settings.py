@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -14,7 +13,16 @@ from jobrun.flags import Duration, Option
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    # What the type checker sees: Settings is a dataclass (at run time, once imported).
+    from dataclasses import dataclass as _dataclass_when_imported
+
     from jobrun import keys
+else:
+
+    def _dataclass_when_imported(**_: Any) -> Callable[[type], type]:
+        """The class as written: ``__getattr__`` makes it a dataclass when first imported."""
+        return lambda cls: cls
+
 
 #: Field metadata: the option a field of Settings is read from.
 OPTION = "jobrun.option"
@@ -22,12 +30,22 @@ OPTION = "jobrun.option"
 SESSION_HEARTBEAT = 1.0
 
 
+class _Declared:
+    """A field of Settings as written: the option it is read from (a dataclass field later)."""
+
+    __slots__ = ("declaration", "secret")
+
+    def __init__(self, declaration: Option, *, secret: bool) -> None:
+        self.declaration = declaration
+        self.secret = secret
+
+
 def declared(declaration: Option, *, secret: bool = False) -> Any:
     """A field of Settings read from ``declaration`` (its default is the option's).
 
     ``secret``: a value that may carry a password or token, never shown in the repr.
     """
-    return dataclasses.field(metadata={OPTION: declaration}, repr=not secret)
+    return _Declared(declaration, secret=secret)
 
 
 def option(
@@ -57,7 +75,7 @@ LOCK_IDS = Option(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@_dataclass_when_imported(frozen=True)
 class Settings:
     """A run's options, checked against each other (durations in seconds).
 
@@ -312,9 +330,7 @@ class Settings:
     @classmethod
     def declarations(cls) -> tuple[Option, ...]:
         """The options a field is read from, in the order of the fields (and of --help)."""
-        return tuple(
-            field.metadata[OPTION] for field in dataclasses.fields(cls) if OPTION in field.metadata
-        )
+        return declarations()
 
     @classmethod
     def from_params(
@@ -356,6 +372,46 @@ class Settings:
             dsn_on_command_line=dsn_on_command_line,
             lifetime=lifetime,
         )
+
+
+#: Settings as written, before it is made a dataclass (``__getattr__``).
+_AS_WRITTEN: type = Settings
+#: Each field's option, in the order of the fields, read from the class as written.
+_DECLARATIONS = tuple(
+    value.declaration for value in vars(Settings).values() if isinstance(value, _Declared)
+)
+if not TYPE_CHECKING:
+    # WARNING: made a dataclass only when imported (``from jobrun.run.settings import
+    # Settings``): importing dataclasses and generating the methods of a dataclass of some
+    # forty fields (compiling their source) was a third of what ``jobrun --help`` cost
+    # beyond click, and --help needs only the declarations. Nothing in this module may
+    # name Settings at run time but its classmethods (through ``cls``).
+    del Settings
+
+
+def __getattr__(name: str) -> Any:
+    """``Settings``, made a dataclass the first time it is asked for."""
+    if name != "Settings":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import dataclasses  # noqa: PLC0415 - see above
+
+    for field, value in list(vars(_AS_WRITTEN).items()):
+        if isinstance(value, _Declared):
+            made_field = dataclasses.field(
+                metadata={OPTION: value.declaration}, repr=not value.secret
+            )
+            setattr(_AS_WRITTEN, field, made_field)
+    made: type = dataclasses.dataclass(frozen=True)(_AS_WRITTEN)
+    globals()[name] = made
+    return made
+
+
+def declarations() -> tuple[Option, ...]:
+    """The options a field of Settings is read from, in the order of the fields (and of --help).
+
+    Without making Settings a dataclass (``jobrun --help`` needs only these).
+    """
+    return _DECLARATIONS
 
 
 def check(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
