@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
 from harness import jobrun_cli
-from harness.jobrun_cli import wait_until
+from harness.jobrun_cli import HANG_GUARD, wait_until
 from jobrun import keys
 from jobrun.locks import queue, slots
+from support.modes import LEASE_TTL, MODES
+from support.modes import events_until as _events_until
+from support.modes import run as _run
+from support.modes import start as _start
 from support.spans import assert_no_overlap, span_child, started
 
 if TYPE_CHECKING:
@@ -21,34 +24,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from support.tenants import Teams
-
-MODES = ("session", "lease")
-#: Lease mode's short lease: a queue slot of a killed run frees within this TTL.
-LEASE_TTL = 5.0
-TIMING = {
-    "session": ("--heartbeat", "200ms"),
-    "lease": ("--ttl", f"{LEASE_TTL:g}s", "--kill-after", "1s", "--heartbeat", "1s"),
-}
-
-
-def _events_until(proc: subprocess.Popen[str], name: str) -> list[dict[str, Any]]:
-    """The JSON lines ``proc`` writes to stderr up to and including event ``name``."""
-    assert proc.stderr is not None
-    seen = []
-    for line in proc.stderr:
-        seen.append(json.loads(line))
-        if seen[-1]["event"] == name:
-            return seen
-    msg = f"jobrun ended (status {proc.wait()}) before {name!r}: {seen!r}"
-    raise AssertionError(msg)
-
-
-def _start(key: str, mode: str, *args: str, dsn: str) -> subprocess.Popen[str]:
-    return jobrun_cli.start("--key", key, "--mode", mode, *TIMING[mode], *args, dsn=dsn)
-
-
-def _run(key: str, mode: str, *args: str, dsn: str) -> subprocess.CompletedProcess[str]:
-    return jobrun_cli.run("--key", key, "--mode", mode, *TIMING[mode], *args, dsn=dsn)
 
 
 def _holder(key: str, mode: str, log: Path, go: Path, dsn: str) -> subprocess.Popen[str]:
@@ -193,8 +168,9 @@ class TestCoalesce:
                 queued.kill()
                 _finish(queued)
             # Session mode: the server ends the dead run's session (its slot at once);
-            # lease mode: the slot's lease expires after its TTL.
-            bound = 20.0 + (LEASE_TTL if mode == "lease" else 0.0)
+            # lease mode: the slot's lease expires after its TTL. Each try is a whole jobrun
+            # process: the hang guard covers those starts.
+            bound = HANG_GUARD + (LEASE_TTL if mode == "lease" else 0.0)
 
             def may_queue() -> bool:
                 tried = _run(key, mode, "--coalesce", "--wait", "100ms", "--", "true", dsn=dsn)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,37 +14,11 @@ from harness import jobrun_cli
 from harness.jobrun_cli import wait_until
 from jobrun import keys
 from jobrun.run import pacing
+from support.modes import LEASE_TTL, MODES
+from support.modes import events_until as _events_until
+from support.modes import run as _run
+from support.modes import start as _start
 from support.spans import assert_no_overlap, attempt_child, started
-
-if TYPE_CHECKING:
-    import subprocess
-
-MODES = ("session", "lease")
-LEASE_TTL = 5.0
-TIMING = {
-    "session": ("--heartbeat", "200ms"),
-    "lease": ("--ttl", f"{LEASE_TTL:g}s", "--kill-after", "1s", "--heartbeat", "1s"),
-}
-
-
-def _events_until(proc: subprocess.Popen[str], name: str) -> list[dict[str, Any]]:
-    """The JSON lines ``proc`` writes to stderr up to and including event ``name``."""
-    assert proc.stderr is not None
-    seen = []
-    for line in proc.stderr:
-        seen.append(json.loads(line))
-        if seen[-1]["event"] == name:
-            return seen
-    msg = f"jobrun ended (status {proc.wait()}) before {name!r}: {seen!r}"
-    raise AssertionError(msg)
-
-
-def _run(key: str, mode: str, *args: str, dsn: str) -> subprocess.CompletedProcess[str]:
-    return jobrun_cli.run("--key", key, "--mode", mode, *TIMING[mode], *args, dsn=dsn)
-
-
-def _start(key: str, mode: str, *args: str, dsn: str) -> subprocess.Popen[str]:
-    return jobrun_cli.start("--key", key, "--mode", mode, *TIMING[mode], *args, dsn=dsn)
 
 
 def _row(dsn: str, key: str) -> tuple[Any, ...]:
