@@ -466,6 +466,8 @@ def _normalized(normalize: Callable[[str], str], label: str) -> str:
         return normalize(label)
     except UsageError as exc:
         raise UsageError(f"--requires {label!r}: {exc}") from None
+
+
 def _check_queue_jitter_retries(given: Mapping[str, Any], run_keys: tuple[keys.Key, ...]) -> None:
     """--coalesce, --jitter and --retries: their rules about the other options."""
     if given["coalesce"] and given["slots"] > 1:
