@@ -95,6 +95,6 @@ class TestFoundByTheSoak:
                     pytest.raises(LockStoreUnavailable),
                     db.translate_errors(target, "taking the lease"),
                 ):
-                    latecomer._insert(conn)  # noqa: SLF001 - the step that must fail cleanly
+                    latecomer._insert(conn, ())  # noqa: SLF001 - the step that must fail cleanly
         finally:
             holder.release()
