@@ -8,9 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -20,6 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from harness import jobrun_cli
+from support.monitor import Monitor
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
@@ -236,39 +235,11 @@ class TestEncodings:
         assert stderr_kept(job.owner_dsn, run_id_of(ran.stderr)) == b"Basic ***\n"
 
 
-class Monitor:
-    """A local HTTP server standing in for a monitoring service: keeps each body by path."""
-
-    def __init__(self) -> None:
-        self.bodies: dict[str, bytes] = {}
-        monitor = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                monitor.bodies[self.path.split("?")[0]] = self.rfile.read(length)
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def do_GET(self) -> None:
-                self.do_POST()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ping/sources"
-
-
 @pytest.fixture
 def monitor() -> Iterator[Monitor]:
-    made = Monitor()
+    made = Monitor("sources")
     yield made
-    made.server.shutdown()
-    made.server.server_close()
+    made.close()
 
 
 class TestPingBody:

@@ -6,11 +6,8 @@ import datetime as dt
 import json
 import shlex
 import sys
-import threading
-import urllib.parse
 import uuid
 import zoneinfo
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -21,6 +18,7 @@ from harness.jobrun_cli import event, events, wait_for_file
 from jobrun import keys, sql
 from jobrun.run import slow
 from support.history import ensure_runs_table, hook, hook_calls, rows_of
+from support.monitor import Monitor
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -90,37 +88,11 @@ def round_trips(stderr: str) -> int:
     return int(event(stderr, "history_calls")["round_trips"])
 
 
-class Monitor:
-    """A local HTTP server standing in for Healthchecks: the paths and bodies it was sent."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, bytes]] = []
-        monitor = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                path = urllib.parse.urlsplit(self.path).path
-                monitor.requests.append((path, self.rfile.read(length)))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ping/check"
-
-
 @pytest.fixture
 def monitor() -> Iterator[Monitor]:
-    made = Monitor()
+    made = Monitor("check")
     yield made
-    made.server.shutdown()
-    made.server.server_close()
+    made.close()
 
 
 @pytest.mark.parametrize("mode", MODES)
