@@ -191,6 +191,31 @@ class TestVictimSearchPath:
         _ok(jobrun_cli.run("--key", "a-trap", "--mode", mode, "--", "true", dsn=trapped.a))
         assert self._stolen(trapped) == []
 
+    @pytest.mark.parametrize("mode", ["session", "lease"])
+    def test_the_cron_options_never_call_the_trap(self, trapped, mode):
+        """--coalesce, --retries, --warn-after auto, --requires, --tz: PostgreSQL's own only.
+
+        A second trap takes ``unnest(text[])``, which --requires' statement unnests.
+        """
+        with psycopg.connect(trapped.b, autocommit=True) as conn:
+            conn.execute(
+                "CREATE FUNCTION public.unnest(text[]) RETURNS SETOF text LANGUAGE sql AS "
+                "$$ INSERT INTO public.stolen SELECT current_user; "
+                "SELECT pg_catalog.unnest($1) $$"
+            )
+        key = f"a-cron-{mode}"
+        _ok(jobrun_cli.run("--key", key, "--mode", mode, "--", "true", dsn=trapped.a))
+        options = (
+            ("--coalesce", "--retries", "1", "--retry-delay", "10ms", "--jitter", "10ms"),
+            ("--warn-after", "auto", "--requires", key, "--once-per", "1h"),
+            ("--once-per", "1d", "--tz", "Europe/Berlin"),
+        )
+        for extra in options:
+            ran = jobrun_cli.run("--key", key, "--mode", mode, *extra, "--", "true", dsn=trapped.a)
+            assert ran.returncode in {0, 75}, ran.stderr
+        _ok(jobrun_cli.run("history", key, dsn=trapped.a))
+        assert self._stolen(trapped) == []
+
     def test_status_never_calls_the_trap(self, trapped):
         """``status`` of team_a's keys calls only PostgreSQL's own functions."""
         _ok(jobrun_cli.run("--key", "a-trap", "--mode", "lease", "--", "true", dsn=trapped.a))
