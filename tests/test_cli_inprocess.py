@@ -34,9 +34,15 @@ LINES = {
 }
 
 
-def comparable(stderr: str) -> list[object]:
-    """stderr with each event line as (event, level): its times, ids and pids differ."""
-    return [as_event(line) for line in stderr.splitlines()]
+def comparable(stderr: str) -> tuple[list[object], list[str]]:
+    """stderr's event lines as (event, level) in order, and the child's own lines, sorted.
+
+    Times, ids and pids differ between two runs; and the child writes to the same stderr as
+    jobrun while it runs, so where its lines fall among jobrun's is a race, not an answer.
+    """
+    lines = [as_event(line) for line in stderr.splitlines()]
+    events = [line for line in lines if not isinstance(line, str)]
+    return events, sorted(line for line in lines if isinstance(line, str))
 
 
 def as_event(line: str) -> object:
